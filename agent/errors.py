@@ -1,0 +1,103 @@
+"""The agent's exceptions, in one tree.
+
+Local errors are our own fault or our host's (storage, configuration); remote
+errors are the peer's (a sender's malformed HL7, the upstream server breaking
+protocol). The split mirrors HL7's own: a remote error earns the sender an AE/CE,
+a local one an AR/CE "resend later".
+
+    AgentError
+    ├── ConfigError                 invalid configuration (exit 2)
+    ├── LocalError                  our side failed; the peer may retry
+    │   ├── StorageError            SQLite refused or failed a write
+    │   │   └── DatabaseLocked      busy beyond busy_timeout
+    │   ├── IncompatibleDatabase    schema too new, or another agent.id owns it
+    │   ├── LeaseLost               the dispatch lease moved; stop dispatching
+    │   └── HandoverError           listening sockets could not be handed over
+    └── RemoteError                 the peer broke a rule
+        ├── HL7Error                a message we cannot accept as sent
+        │   ├── EnvelopeError       MSH missing or malformed (ERR-3 101/102)
+        │   ├── UnsupportedCharset  MSH-18 / channel encoding unusable (ERR-3 102)
+        │   └── FrameTooLarge       over max_message_bytes (ERR-3 207)
+        └── ProtocolError           the upstream server broke protocol v1
+            └── AuthenticationFailed  401 on connect: the token is wrong
+"""
+
+from __future__ import annotations
+
+
+class AgentError(Exception):
+    """Root of every error the agent raises on purpose."""
+
+
+class ConfigError(AgentError):
+    """The configuration is invalid; the message names the key and the fix."""
+
+
+class LocalError(AgentError):
+    """Something on our side failed; the peer did nothing wrong."""
+
+
+class StorageError(LocalError):
+    """The queue database refused or failed an operation."""
+
+
+class DatabaseLocked(StorageError):
+    """Another process held the database lock past busy_timeout."""
+
+
+class IncompatibleDatabase(LocalError):
+    """The database file belongs to another agent or a newer schema."""
+
+
+class LeaseLost(LocalError):
+    """This process no longer holds the dispatch lease (fenced write matched nothing)."""
+
+
+class HandoverError(LocalError):
+    """Listening sockets could not be handed from one process to the next."""
+
+
+class RemoteError(AgentError):
+    """The peer broke a rule of HL7, MLLP or protocol v1."""
+
+
+class HL7Error(RemoteError):
+    """A message we cannot accept as sent.
+
+    ``error_code`` is the HL7 table 0357 code for ERR-3 (or ERR-1 / MSA-6 on
+    versions before 2.5).
+    """
+
+    error_code: int = 207
+
+    def __init__(self, text: str, *, error_code: int | None = None) -> None:
+        super().__init__(text)
+        self.text = text
+        if error_code is not None:
+            self.error_code = error_code
+
+
+class EnvelopeError(HL7Error):
+    """MSH missing or malformed: 101 required field missing, 102 data type error."""
+
+    error_code = 101
+
+
+class UnsupportedCharset(HL7Error):
+    """The declared or configured character set cannot be used (UTF-16/32, unknown)."""
+
+    error_code = 102
+
+
+class FrameTooLarge(HL7Error):
+    """An MLLP frame exceeded the channel's max_message_bytes."""
+
+    error_code = 207
+
+
+class ProtocolError(RemoteError):
+    """The upstream server sent something protocol v1 does not allow."""
+
+
+class AuthenticationFailed(ProtocolError):
+    """The server answered 401: the configured token is wrong."""
