@@ -1,0 +1,368 @@
+"""Read what intake needs from the MSH segment, on bytes, without parsing the message.
+
+SPEC 4: the hot path reads only the MSH fields; MSH-18 (the character set) is
+not known until the MSH is read, so the MSH segment is split as latin-1 - a
+byte-transparent decoding: every byte maps to one character and back, the HL7
+delimiters are ASCII, and every field intake needs is ASCII in practice. The
+envelope's strings are therefore "bytes as text"; ``acks.build_ack`` re-decodes
+the ones it copies with the message's real codec.
+
+Also here: resolving MSH-18 / the channel ``encoding`` to a Python codec (HL7
+table 0211), strict decoding of the whole message with segment endings
+normalised to ``\\r`` (what ``hl7.parse`` and the upstream ``body`` expect), and
+setting one MSH field in the decoded text (MSH-13 stamping, SPEC 5).
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+from dataclasses import dataclass
+
+from agent.errors import EnvelopeError, UnsupportedCharset
+
+__all__ = [
+    "CHARSETS_0211",
+    "DEFAULT_ENCODING_CHARS",
+    "DEFAULT_FIELD_SEP",
+    "Envelope",
+    "MalformedMsh",
+    "NoMshSegment",
+    "decode_message",
+    "read_msh",
+    "resolve_codec",
+    "scrape_control_id",
+    "set_msh_field",
+]
+
+DEFAULT_FIELD_SEP = "|"
+DEFAULT_ENCODING_CHARS = "^~\\&"
+
+# Leading bytes tolerated before "MSH": blank lines / spaces some senders emit,
+# and a UTF-8 byte order mark (dropping such a message silently would be worse).
+_LEADING_JUNK = b"\r\n \t"
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+class NoMshSegment(EnvelopeError):
+    """The frame does not start with an MSH segment: no ACK is owed (SPEC 4), audit only."""
+
+
+class MalformedMsh(EnvelopeError):
+    """An MSH is present but unusable: the sender gets a reject ACK (AE/CE, 101/102).
+
+    ``partial`` holds what could be read (separators, MSH-3..6, MSH-10, ...) when
+    the separators themselves were usable, so the reject ACK can still swap
+    the applications and echo MSH-10; ``None`` when even the separators were bad
+    (the ACK then uses the default ``|^~\\&``, SPEC 4).
+    """
+
+    def __init__(
+        self, text: str, *, error_code: int | None = None, partial: Envelope | None = None
+    ) -> None:
+        super().__init__(text, error_code=error_code)
+        self.partial = partial
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The MSH fields intake and ACK building need (latin-1 "bytes as text")."""
+
+    field_sep: str  # MSH-1
+    encoding_chars: str  # MSH-2 as sent: component, repetition, escape, subcomponent[, truncation]
+    sending_app: str  # MSH-3 (whole field, components kept)
+    sending_facility: str  # MSH-4
+    receiving_app: str  # MSH-5
+    receiving_facility: str  # MSH-6
+    message_type: str  # MSH-9 whole, e.g. "ADT^A01^ADT_A01"
+    message_code: str  # MSH-9.1
+    trigger_event: str  # MSH-9.2 ("" when absent)
+    control_id: str  # MSH-10
+    processing_id: str  # MSH-11 whole (copied into ACKs)
+    version_id: str  # MSH-12 whole (copied into ACKs)
+    sequence_number: str  # MSH-13
+    accept_ack_type: str  # MSH-15 ("" when absent)
+    application_ack_type: str  # MSH-16 ("" when absent)
+    charset: str  # MSH-18 first repetition ("" when absent)
+
+    def _enc(self, index: int) -> str:
+        chars = self.encoding_chars
+        return chars[index] if len(chars) > index else DEFAULT_ENCODING_CHARS[index]
+
+    @property
+    def component_sep(self) -> str:
+        """MSH-2.1 (``^`` by default)."""
+        return self._enc(0)
+
+    @property
+    def repetition_sep(self) -> str:
+        """MSH-2.2 (``~`` by default)."""
+        return self._enc(1)
+
+    @property
+    def escape_char(self) -> str:
+        """MSH-2.3 (``\\`` by default)."""
+        return self._enc(2)
+
+    @property
+    def subcomponent_sep(self) -> str:
+        """MSH-2.4 (``&`` by default)."""
+        return self._enc(3)
+
+    @property
+    def truncation_char(self) -> str:
+        """MSH-2.5 (v2.7+), ``""`` when the sender declares none."""
+        return self.encoding_chars[4] if len(self.encoding_chars) > 4 else ""
+
+    @property
+    def enhanced(self) -> bool:
+        """MSH-15 or MSH-16 set: enhanced acknowledgment mode (HL7 2.9.3, SPEC 4)."""
+        return bool(self.accept_ack_type.strip() or self.application_ack_type.strip())
+
+    @property
+    def is_ack(self) -> bool:
+        """The message is itself an ACK (MSH-9.1 ``ACK``): never queued nor answered."""
+        return self.message_code.strip().upper() == "ACK"
+
+    @property
+    def version(self) -> str:
+        """MSH-12.1, the bare version id (``2.5.1``), stripped."""
+        return self.version_id.split(self.component_sep, 1)[0].strip()
+
+
+def _split_msh(data: bytes) -> tuple[str, int]:
+    """Return the MSH segment as latin-1 text and its start offset, or raise NoMshSegment."""
+    start = 0
+    if data.startswith(_UTF8_BOM):
+        start = len(_UTF8_BOM)
+    n = len(data)
+    while start < n and data[start] in _LEADING_JUNK:
+        start += 1
+    if data[start : start + 3] != b"MSH":
+        raise NoMshSegment("no MSH segment at the start of the message", error_code=101)
+    # The MSH ends at its first \r, \n or \r\n (SPEC 4); bound the \n search by
+    # the \r found so a \r-ended message is never scanned past its first segment.
+    end = data.find(b"\r", start)
+    lf = data.find(b"\n", start, end if end >= 0 else n)
+    if lf >= 0:
+        end = lf
+    if end < 0:
+        end = n
+    return data[start:end].decode("latin-1"), start
+
+
+def _check_separators(field_sep: str, encoding_chars: str) -> None:
+    """Raise MalformedMsh when MSH-1/MSH-2 cannot serve as delimiters (HL7 2.5 ch. 2.5.4)."""
+    if not field_sep or field_sep.isalnum() or field_sep.isspace():
+        raise MalformedMsh(f"MSH-1 field separator {field_sep!r} is unusable", error_code=102)
+    if not encoding_chars:
+        raise MalformedMsh("MSH-2 encoding characters missing", error_code=101)
+    if len(encoding_chars) > 5:
+        raise MalformedMsh("MSH-2 has more than 5 encoding characters", error_code=102)
+    # Missing trailing ones default (sloppy senders send "^~\"); the effective
+    # set must still be distinct, non-alphanumeric and not the field separator.
+    effective = encoding_chars + DEFAULT_ENCODING_CHARS[len(encoding_chars) :]
+    for ch in effective:
+        if ch.isalnum() or ch.isspace() or ch == field_sep:
+            raise MalformedMsh(f"MSH-2 encoding character {ch!r} is unusable", error_code=102)
+    if len(set(effective)) != len(effective):
+        raise MalformedMsh("MSH-2 encoding characters are not distinct", error_code=102)
+
+
+def read_msh(data: bytes) -> Envelope:
+    """Read the MSH at the start of ``data`` (a frame payload or its oversize prefix).
+
+    Raises NoMshSegment when there is no MSH at all, MalformedMsh (an
+    EnvelopeError, error_code 101/102) when the MSH is present but unusable.
+    Only the first segment is looked at: this is on the hot path.
+    """
+    segment, _ = _split_msh(data)
+    if len(segment) < 4:
+        raise MalformedMsh("MSH-1 field separator missing", error_code=101)
+    field_sep = segment[3]
+    fields = segment.split(field_sep)
+    encoding_chars = fields[1] if len(fields) > 1 else ""
+    _check_separators(field_sep, encoding_chars)
+
+    def field(number: int) -> str:
+        # MSH-1 is the separator itself, so MSH-n is fields[n - 1].
+        return fields[number - 1] if len(fields) >= number else ""
+
+    effective = encoding_chars + DEFAULT_ENCODING_CHARS[len(encoding_chars) :]
+    comp, rep = effective[0], effective[1]
+    message_type = field(9)
+    type_parts = message_type.split(comp)
+    envelope = Envelope(
+        field_sep=field_sep,
+        encoding_chars=encoding_chars,
+        sending_app=field(3),
+        sending_facility=field(4),
+        receiving_app=field(5),
+        receiving_facility=field(6),
+        message_type=message_type,
+        message_code=type_parts[0].strip(),
+        trigger_event=type_parts[1].strip() if len(type_parts) > 1 else "",
+        control_id=field(10),
+        processing_id=field(11),
+        version_id=field(12),
+        sequence_number=field(13),
+        accept_ack_type=field(15).strip(),
+        application_ack_type=field(16).strip(),
+        charset=field(18).split(rep, 1)[0].strip(),
+    )
+    # Required fields intake relies on (HL7 table 0357: 101 required field missing).
+    if not envelope.message_code:
+        raise MalformedMsh("MSH-9 message type missing", error_code=101, partial=envelope)
+    if not envelope.control_id.strip():
+        raise MalformedMsh("MSH-10 message control id missing", error_code=101, partial=envelope)
+    if not envelope.version:
+        raise MalformedMsh("MSH-12 version id missing", error_code=101, partial=envelope)
+    return envelope
+
+
+def scrape_control_id(data: bytes) -> str:
+    """Best-effort MSH-10 of a frame whose MSH ``read_msh`` rejected ("" if unreadable).
+
+    For MSA-2 of the minimal reject ACK (SPEC 4: MSA-2 empty when MSH-10 cannot
+    be read).
+    """
+    try:
+        segment, _ = _split_msh(data)
+    except NoMshSegment:
+        return ""
+    if len(segment) < 4 or segment[3].isalnum() or segment[3].isspace():
+        return ""
+    fields = segment.split(segment[3])
+    return fields[9].strip() if len(fields) > 9 else ""
+
+
+# HL7 table 0211 (alternate character sets) and the aliases senders use, to
+# Python codecs. Keys are normalised with _norm_charset(). UTF-16/32 map to
+# None: HL7 forbids them with MLLP, whose framing bytes must be single bytes.
+CHARSETS_0211: dict[str, str | None] = {
+    "ASCII": "ascii",
+    "8859/1": "iso8859-1",
+    "8859/2": "iso8859-2",
+    "8859/3": "iso8859-3",
+    "8859/4": "iso8859-4",
+    "8859/5": "iso8859-5",
+    "8859/6": "iso8859-6",
+    "8859/7": "iso8859-7",
+    "8859/8": "iso8859-8",
+    "8859/9": "iso8859-9",
+    "8859/15": "iso8859-15",
+    "UNICODE UTF-8": "utf-8",
+    "UTF-8": "utf-8",
+    "ISO IR6": "ascii",
+    "ISO IR 6": "ascii",
+    "ISO IR100": "iso8859-1",
+    "ISO IR 100": "iso8859-1",
+    "ISO IR192": "utf-8",
+    "ISO IR 192": "utf-8",
+    "SJIS": "cp932",
+    "GB 18030-2000": "gb18030",
+    "BIG-5": "big5",
+    "UNICODE": None,
+    "UNICODE UTF-16": None,
+    "UNICODE UTF-32": None,
+}
+
+_WS = re.compile(r"[\s_]+")
+# What an HL7/MLLP codec must encode byte-for-byte like ASCII: the framing and
+# the default delimiters. Rejects UTF-16/32, UTF-7, EBCDIC and non-text codecs.
+_STRUCTURE = "MSH|^~\\&#\r\n\x0b\x1c 0123456789AZaz"
+_STRUCTURE_BYTES = _STRUCTURE.encode("ascii")
+
+
+def _norm_charset(name: str) -> str:
+    return _WS.sub(" ", name.strip()).upper()
+
+
+def _python_codec(name: str) -> str:
+    """Canonical Python codec for ``name``, or raise UnsupportedCharset."""
+    try:
+        info = codecs.lookup(name)
+    except LookupError:
+        raise UnsupportedCharset(f"unknown character set {name!r}", error_code=102) from None
+    canonical = info.name
+    if canonical.startswith(("utf-16", "utf-32", "utf_16", "utf_32")):
+        raise UnsupportedCharset(
+            f"character set {name!r} (UTF-16/UTF-32) is forbidden with MLLP", error_code=102
+        )
+    try:
+        ok = _STRUCTURE.encode(canonical) == _STRUCTURE_BYTES
+    except (LookupError, UnicodeError):
+        ok = False
+    if not ok:
+        raise UnsupportedCharset(
+            f"character set {name!r} does not encode HL7 delimiters as ASCII", error_code=102
+        )
+    return canonical
+
+
+def _resolve_one(name: str) -> str:
+    key = _norm_charset(name)
+    if key in CHARSETS_0211:
+        mapped = CHARSETS_0211[key]
+        if mapped is None:
+            raise UnsupportedCharset(
+                f"character set {name!r} (UTF-16/UTF-32) is forbidden with MLLP", error_code=102
+            )
+        return _python_codec(mapped)
+    return _python_codec(name.strip())
+
+
+def resolve_codec(msh18: str, channel_encoding: str) -> str:
+    """Python codec for a message: MSH-18 if set, else the channel's ``encoding`` (SPEC 4).
+
+    Both take HL7 table 0211 names (``8859/1``, ``UNICODE UTF-8``) or Python codec
+    names; ``""`` for the channel means utf-8. Raises UnsupportedCharset (102)
+    for UTF-16/32 and unknown names.
+    """
+    if msh18.strip():
+        return _resolve_one(msh18)
+    return _resolve_one(channel_encoding if channel_encoding.strip() else "utf-8")
+
+
+def decode_message(data: bytes, codec: str) -> str:
+    """Decode strictly and normalise segment ends to ``\\r`` (the upstream ``body``, SPEC 5).
+
+    ``\\r\\n`` and lone ``\\n`` become ``\\r``; blank lines are dropped; every
+    segment ends in ``\\r``; leading blanks or a BOM before ``MSH`` are dropped
+    (``read_msh`` tolerates them too). Undecodable bytes are the sender's data
+    type error: EnvelopeError 102.
+    """
+    try:
+        text = data.decode(codec)
+    except UnicodeDecodeError as exc:
+        raise EnvelopeError(
+            f"bytes not valid {codec} at offset {exc.start}", error_code=102
+        ) from None
+    except LookupError:
+        raise UnsupportedCharset(f"unknown character set {codec!r}", error_code=102) from None
+    text = text.lstrip("\ufeff\r\n \t")
+    text = text.replace("\r\n", "\r").replace("\n", "\r")
+    segments = [seg for seg in text.split("\r") if seg.strip()]
+    if not segments:
+        return ""
+    return "\r".join(segments) + "\r"
+
+
+def set_msh_field(text: str, field_number: int, value: str) -> str:
+    """Return ``text`` (decoded, normalised) with MSH-``field_number`` set to ``value``.
+
+    Used to stamp MSH-13 = seq (SPEC 5, ``assign_sequence_numbers``). Missing
+    fields are padded; ``value`` is inserted as is (the caller escapes if needed).
+    """
+    if field_number < 2:
+        raise ValueError("MSH-1 is the field separator itself and cannot be set")
+    if not text.startswith("MSH") or len(text) < 4:
+        raise ValueError("text does not start with an MSH segment")
+    end = text.find("\r")
+    msh, rest = (text, "") if end < 0 else (text[:end], text[end:])
+    sep = msh[3]
+    fields = msh.split(sep)
+    if len(fields) < field_number:
+        fields.extend([""] * (field_number - len(fields)))
+    fields[field_number - 1] = value
+    return sep.join(fields) + rest
