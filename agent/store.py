@@ -1,0 +1,628 @@
+"""The SQLite queue: intake, claim, settle, lease, stats (SPEC section 6).
+
+``SqliteStore`` methods run *inside* a transaction opened by their caller —
+the writer thread groups many of them into one ``BEGIN IMMEDIATE … COMMIT``
+(group commit), each inside its own SAVEPOINT so one failed operation does not
+sink its neighbours. ``transaction()`` is there for single-shot callers
+(operator commands, tests).
+
+Every state transition is a guarded UPDATE whose row count is checked; every
+dispatch write is fenced on the lease epoch, so a process that lost the lease
+cannot change a row even before it notices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from agent import states
+from agent.errors import LeaseLost, StorageError
+
+AckMode = Literal["commit", "application", "enhanced"]
+IntakeOutcome = Literal["accepted", "duplicate", "conflict", "backpressure"]
+
+
+@dataclass(frozen=True)
+class IntakeItem:
+    """One framed message that passed the envelope checks, ready to queue."""
+
+    channel: str
+    remote: str
+    sending_app: str
+    sending_facility: str
+    control_id: str
+    message_type: str
+    body: bytes
+    encoding: str
+    ack_mode: AckMode
+    accept_ack_type: str = ""
+    application_ack_type: str = ""
+    commit_ack: bytes | None = None  # the accept ACK to send (None: not owed)
+    received_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class IntakeResult:
+    outcome: IntakeOutcome
+    message_id: str
+    seq: int | None = None
+    ack_mode: AckMode = "commit"
+    commit_ack: bytes | None = None  # duplicates: the ACK to replay
+    app_ack: bytes | None = None  # duplicates: the application ACK, once known
+    prior_state: str | None = None  # duplicates: the original row's state
+    settled: bool = False  # duplicates: the original is processed/rejected/failed
+
+
+@dataclass(frozen=True)
+class AuditItem:
+    """A frame intake refused or only recorded: kept as a ``nacked`` row."""
+
+    channel: str
+    remote: str
+    body: bytes
+    error_code: str
+    error_text: str
+    sending_app: str = ""
+    sending_facility: str = ""
+    control_id: str = ""
+    message_type: str = ""
+    ack_sent: bytes | None = None
+    received_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class HeadRow:
+    """The head of a channel: its lowest-seq live row."""
+
+    id: str
+    channel: str
+    seq: int
+    state: str
+    attempts: int
+    next_attempt_at: float
+    claim_epoch: int | None
+    remote: str
+    control_id: str
+    message_type: str
+    encoding: str
+    body: bytes
+    received_at: float
+    ack_mode: AckMode
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """Who holds (or wants) the dispatch lease, with what proves it alive."""
+
+    holder: str
+    pid: int
+    boot_id: str
+    pidns: str
+    start_ticks: int
+
+    @classmethod
+    def for_this_process(cls, agent_id: str) -> LeaseHolder:
+        pid = os.getpid()
+        return cls(
+            holder=f"{agent_id}@{os.uname().nodename}:{pid}:{uuid.uuid4().hex[:8]}",
+            pid=pid,
+            boot_id=_read_boot_id(),
+            pidns=_read_pidns(),
+            start_ticks=_process_start_ticks(pid) or 0,
+        )
+
+
+@dataclass(frozen=True)
+class Lease:
+    holder: str
+    epoch: int
+    expires_at: float
+
+
+def _read_boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _read_pidns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _process_start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks since boot)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def holder_provably_dead(pid: int | None, boot: str | None, pidns: str | None, start: int | None) -> bool:
+    """SPEC 6: same boot and PID namespace, and the PID is gone or reused."""
+    if pid is None or not boot or not pidns:
+        return False
+    if boot != _read_boot_id() or pidns != _read_pidns():
+        return False
+    ticks = _process_start_ticks(pid)
+    return ticks is None or (start is not None and ticks != start)
+
+
+TERMINAL_PURGEABLE = ("processed", "rejected", "nacked")
+
+
+class SqliteStore:
+    """All queue reads and writes, on one connection owned by one thread."""
+
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        queries: dict[str, str],
+        *,
+        db_path: Path,
+        dedupe_window: float = 7 * 86400,
+        retention: float = 30 * 86400,
+        max_db_bytes: int = 0,
+        min_free_disk_bytes: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.conn = conn
+        self.q = queries
+        self.db_path = db_path
+        self.dedupe_window = dedupe_window
+        self.retention = retention
+        self.max_db_bytes = max_db_bytes
+        self.min_free_disk_bytes = min_free_disk_bytes
+        self.clock = clock
+        self._pressure_checked_at = 0.0
+        self._under_pressure = False
+
+    # -- transactions -------------------------------------------------------
+
+    @contextmanager
+    def transaction(self) -> Iterator[SqliteStore]:
+        """BEGIN IMMEDIATE … COMMIT for single-shot callers."""
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            raise StorageError(f"cannot start a write transaction: {exc}") from exc
+        try:
+            yield self
+        except BaseException:
+            self._rollback()
+            raise
+        try:
+            self.conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._rollback()
+            raise StorageError(f"commit failed: {exc}") from exc
+
+    def _rollback(self) -> None:
+        try:
+            self.conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass  # no transaction is active after some I/O errors
+
+    def _one(self, name: str, **params: Any) -> sqlite3.Row | tuple[Any, ...] | None:
+        row: tuple[Any, ...] | None = self.conn.execute(self.q[name], params).fetchone()
+        return row
+
+    # -- intake -------------------------------------------------------------
+
+    def intake(self, item: IntakeItem) -> IntakeResult:
+        """Queue a message, or find it is a duplicate (SPEC 4, dedupe)."""
+        now = self.clock()
+        sha = hashlib.sha256(item.body).hexdigest()
+        key = {
+            "channel": item.channel,
+            "sending_app": item.sending_app,
+            "sending_facility": item.sending_facility,
+            "control_id": item.control_id,
+        }
+        prior = self._one("dedupe_lookup", now=now, **key) if item.control_id else None
+        if prior is not None:
+            prior_sha, prior_id, prior_mode, commit_ack, app_ack = prior
+            if prior_sha == sha:
+                state_row = self._one("replay_state", id=prior_id)
+                state = state_row[0] if state_row else None
+                if app_ack is None and state_row is not None:
+                    app_ack = state_row[2]
+                return IntakeResult(
+                    outcome="duplicate",
+                    message_id=prior_id,
+                    ack_mode=prior_mode,
+                    commit_ack=commit_ack,
+                    app_ack=app_ack,
+                    prior_state=state,
+                    settled=state in states.SETTLED if state else True,
+                )
+            return IntakeResult(outcome="conflict", message_id=prior_id, ack_mode=item.ack_mode)
+        if self.over_limits(now):
+            return IntakeResult(outcome="backpressure", message_id="", ack_mode=item.ack_mode)
+        message_id = str(uuid.uuid4())
+        seq_row = self._one("next_seq", channel=item.channel)
+        assert seq_row is not None
+        seq = int(seq_row[0])
+        self.conn.execute(
+            self.q["insert_message"],
+            {
+                "id": message_id,
+                "channel": item.channel,
+                "seq": seq,
+                "state": "queued",
+                "remote": item.remote,
+                "sending_app": item.sending_app,
+                "sending_facility": item.sending_facility,
+                "control_id": item.control_id,
+                "message_type": item.message_type,
+                "encoding": item.encoding,
+                "body": item.body,
+                "body_sha256": sha,
+                "ack_mode": item.ack_mode,
+                "accept_ack_type": item.accept_ack_type,
+                "application_ack_type": item.application_ack_type,
+                "ack_sent": item.commit_ack,
+                "ack_outcome": "pending",
+                "error_code": None,
+                "error_text": None,
+                "now": item.received_at,
+            },
+        )
+        if item.control_id:
+            self.conn.execute(
+                self.q["dedupe_upsert"],
+                {
+                    **key,
+                    "body_sha256": sha,
+                    "message_id": message_id,
+                    "ack_mode": item.ack_mode,
+                    "commit_ack": item.commit_ack,
+                    "expires_at": now + self.dedupe_window,
+                },
+            )
+        return IntakeResult(outcome="accepted", message_id=message_id, seq=seq, ack_mode=item.ack_mode)
+
+    def record_audit(self, item: AuditItem) -> str:
+        """Insert a ``nacked`` audit row; never counts as a dedupe prior."""
+        message_id = str(uuid.uuid4())
+        self.conn.execute(
+            self.q["insert_message"],
+            {
+                "id": message_id,
+                "channel": item.channel,
+                "seq": None,
+                "state": "nacked",
+                "remote": item.remote,
+                "sending_app": item.sending_app,
+                "sending_facility": item.sending_facility,
+                "control_id": item.control_id,
+                "message_type": item.message_type,
+                "encoding": None,
+                "body": item.body,
+                "body_sha256": hashlib.sha256(item.body).hexdigest(),
+                "ack_mode": "commit",
+                "accept_ack_type": "",
+                "application_ack_type": "",
+                "ack_sent": item.ack_sent,
+                "ack_outcome": "delivered" if item.ack_sent else "not_owed",
+                "error_code": item.error_code,
+                "error_text": item.error_text,
+                "now": item.received_at,
+            },
+        )
+        return message_id
+
+    def set_ack_outcome(self, message_id: str, outcome: str) -> bool:
+        if outcome not in states.ACK_OUTCOMES:
+            raise ValueError(f"unknown ack_outcome {outcome!r}")
+        cur = self.conn.execute(
+            self.q["set_ack_outcome"], {"id": message_id, "outcome": outcome, "now": self.clock()}
+        )
+        return cur.rowcount == 1
+
+    def replay_state(self, message_id: str) -> tuple[str, str, bytes | None, int | None] | None:
+        """(state, ack_outcome, app_ack, server_status) of a row, for ACK relay polling."""
+        row = self._one("replay_state", id=message_id)
+        if row is None:
+            return None
+        return (str(row[0]), str(row[1]), row[2], row[3])
+
+    # -- backpressure and retention ------------------------------------------
+
+    def used_bytes(self) -> int:
+        """Database size without free pages (SPEC 6: size measured without free pages)."""
+        page_count = self.conn.execute("PRAGMA page_count").fetchone()[0]
+        freelist = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
+        page_size = self.conn.execute("PRAGMA page_size").fetchone()[0]
+        return int((page_count - freelist) * page_size)
+
+    def free_disk_bytes(self) -> int:
+        st = os.statvfs(self.db_path.parent)
+        return int(st.f_bavail * st.f_frsize)
+
+    def _limits_exceeded(self) -> bool:
+        if self.max_db_bytes and self.used_bytes() >= self.max_db_bytes:
+            return True
+        return bool(self.min_free_disk_bytes and self.free_disk_bytes() < self.min_free_disk_bytes)
+
+    def over_limits(self, now: float) -> bool:
+        """SPEC 4 backpressure: purge what retention allows first, then refuse."""
+        if not (self.max_db_bytes or self.min_free_disk_bytes):
+            return False
+        # Checking costs a few pragmas and a statvfs: do it at most every 0.5 s
+        # while healthy, on every message while under pressure.
+        if not self._under_pressure and now - self._pressure_checked_at < 0.5:
+            return False
+        self._pressure_checked_at = now
+        if not self._limits_exceeded():
+            self._under_pressure = False
+            return False
+        self.purge_retention(now)
+        while self._limits_exceeded():
+            if self._one_purge_step_oldest() == 0:
+                break
+        self._under_pressure = self._limits_exceeded()
+        return self._under_pressure
+
+    def _one_purge_step_oldest(self, limit: int = 500) -> int:
+        """Size cap: the oldest purgeable terminal rows go first."""
+        cur = self.conn.execute(self.q["purge_oldest_terminal"], {"limit": limit})
+        return cur.rowcount
+
+    def purge_retention(self, now: float, batch: int = 1000) -> int:
+        """Delete purgeable terminal rows older than ``retention`` and expired dedupe keys.
+
+        ``failed`` rows are never purged automatically: they are undelivered messages.
+        """
+        self.conn.execute(self.q["purge_expired_dedupe_keys"], {"now": now})
+        cur = self.conn.execute(
+            self.q["purge_terminal_older_than"], {"cutoff": now - self.retention, "limit": batch}
+        )
+        return cur.rowcount
+
+    def enforce_size_cap(self) -> int:
+        purged = 0
+        while self.max_db_bytes and self.used_bytes() >= self.max_db_bytes:
+            step = self._one_purge_step_oldest()
+            if step == 0:
+                break
+            purged += step
+        return purged
+
+    def probe_write(self) -> None:
+        """A tiny write: /readyz proves the database takes writes."""
+        self.conn.execute(self.q["probe_write"], {"now": repr(self.clock())})
+
+    # -- lease ---------------------------------------------------------------
+
+    def lease(self) -> Lease | None:
+        row = self._one("lease_row")
+        if row is None or row[0] is None:
+            return None
+        return Lease(holder=row[0], epoch=int(row[5]), expires_at=float(row[6] or 0))
+
+    def try_acquire_lease(self, me: LeaseHolder, ttl: float) -> int | None:
+        """Take the lease when free, expired, or its holder is provably dead."""
+        now = self.clock()
+        row = self._one("lease_row")
+        assert row is not None
+        holder, pid, boot, pidns, start, epoch, expires_at = row
+        free = holder is None or expires_at is None or float(expires_at) <= now
+        if not free and holder != me.holder and not holder_provably_dead(pid, boot, pidns, start):
+            return None
+        taken = self._one(
+            "lease_take",
+            holder=me.holder,
+            pid=me.pid,
+            boot=me.boot_id,
+            pidns=me.pidns,
+            start=me.start_ticks,
+            expires_at=now + ttl,
+            now=now,
+            seen_epoch=epoch,
+        )
+        return int(taken[0]) if taken else None
+
+    def renew_lease(self, holder: str, epoch: int, ttl: float) -> None:
+        now = self.clock()
+        cur = self.conn.execute(
+            self.q["lease_renew"], {"holder": holder, "epoch": epoch, "expires_at": now + ttl, "now": now}
+        )
+        if cur.rowcount != 1:
+            raise LeaseLost(f"lease epoch {epoch} is no longer held by {holder}")
+
+    def release_lease(self, holder: str, epoch: int) -> bool:
+        cur = self.conn.execute(self.q["lease_release"], {"holder": holder, "epoch": epoch})
+        return cur.rowcount == 1
+
+    def _fenced(self, name: str, holder: str, epoch: int, **params: Any) -> sqlite3.Cursor:
+        return self.conn.execute(self.q[name], {"holder": holder, "epoch": epoch, **params})
+
+    def _check_fence(self, holder: str, epoch: int) -> None:
+        if self._one("lease_fence", holder=holder, epoch=epoch) is None:
+            raise LeaseLost(f"lease epoch {epoch} is no longer held by {holder}")
+
+    def recover_claimed(self, holder: str, epoch: int) -> int:
+        """After taking the lease: claimed rows were provably not sent → queued."""
+        cur = self._fenced("recover_claimed", holder, epoch, now=self.clock())
+        self._check_fence(holder, epoch)
+        return cur.rowcount
+
+    # -- dispatch ------------------------------------------------------------
+
+    def channel_head(self, channel: str) -> HeadRow | None:
+        row = self._one("channel_head", channel=channel)
+        if row is None:
+            return None
+        return HeadRow(*row)
+
+    def live_channels(self) -> list[str]:
+        return [r[0] for r in self.conn.execute(self.q["live_channels"])]
+
+    def claim(self, holder: str, epoch: int, message_id: str) -> bool:
+        cur = self._fenced("claim", holder, epoch, id=message_id, now=self.clock())
+        if cur.rowcount == 0:
+            self._check_fence(holder, epoch)
+        return cur.rowcount == 1
+
+    def mark_inflight(self, holder: str, epoch: int, message_id: str, from_state: str, attempts: int) -> int:
+        """Committed *before* the frame is written (SPEC 6). Returns the new attempt number."""
+        row = self._fenced(
+            "mark_inflight", holder, epoch, id=message_id, from_state=from_state, attempts=attempts,
+            now=self.clock(),
+        ).fetchone()
+        if row is None:
+            self._check_fence(holder, epoch)
+            raise StorageError(f"row {message_id} was not {from_state} at attempt {attempts}")
+        return int(row[0])
+
+    def settle(
+        self,
+        holder: str,
+        epoch: int,
+        message_id: str,
+        attempt: int,
+        state: str,
+        *,
+        server_status: int | None,
+        server_ack: str | None,
+        app_ack: bytes | None = None,
+        error_code: str | None = None,
+        error_text: str | None = None,
+    ) -> bool:
+        """inflight → processed/rejected/failed for exactly this attempt."""
+        if state not in states.SETTLED:
+            raise ValueError(f"cannot settle into {state!r}")
+        cur = self._fenced(
+            "settle", holder, epoch, id=message_id, attempt=attempt, state=state,
+            server_status=server_status, server_ack=server_ack, app_ack=app_ack,
+            error_code=error_code, error_text=error_text, now=self.clock(),
+        )
+        if cur.rowcount == 0:
+            self._check_fence(holder, epoch)
+            return False
+        if app_ack is not None:
+            self.conn.execute(self.q["dedupe_set_app_ack"], {"message_id": message_id, "app_ack": app_ack})
+        return True
+
+    def requeue(
+        self, holder: str, epoch: int, message_id: str, attempt: int, next_attempt_at: float,
+        *, server_status: int | None = None, error_code: str | None = None, error_text: str | None = None,
+    ) -> bool:
+        """inflight/claimed → queued with a backoff; the row stays the channel head."""
+        cur = self._fenced(
+            "requeue", holder, epoch, id=message_id, attempt=attempt, next_attempt_at=next_attempt_at,
+            server_status=server_status, error_code=error_code, error_text=error_text, now=self.clock(),
+        )
+        if cur.rowcount == 0:
+            self._check_fence(holder, epoch)
+            return False
+        return True
+
+    def fail_live(
+        self, holder: str, epoch: int, message_id: str, attempt: int, state: str,
+        *, error_code: str, error_text: str, app_ack: bytes | None = None,
+    ) -> bool:
+        """A live row straight to failed/rejected (ambiguous inflight, too big, attempts exhausted)."""
+        if state not in ("failed", "rejected"):
+            raise ValueError(f"fail_live cannot set {state!r}")
+        cur = self._fenced(
+            "fail_live", holder, epoch, id=message_id, attempt=attempt, state=state,
+            error_code=error_code, error_text=error_text, app_ack=app_ack, now=self.clock(),
+        )
+        if cur.rowcount == 0:
+            self._check_fence(holder, epoch)
+            return False
+        if app_ack is not None:
+            self.conn.execute(self.q["dedupe_set_app_ack"], {"message_id": message_id, "app_ack": app_ack})
+        return True
+
+    # -- channels ------------------------------------------------------------
+
+    def pause_channel(self, channel: str, reason: str) -> None:
+        self.conn.execute(self.q["channel_pause"], {"channel": channel, "now": self.clock(), "reason": reason})
+
+    def resume_channel(self, channel: str) -> None:
+        self.conn.execute(self.q["channel_resume"], {"channel": channel})
+
+    def paused_channels(self) -> set[str]:
+        return {r[0] for r in self.conn.execute(self.q["channel_flags"]) if r[2]}
+
+    # -- reads ---------------------------------------------------------------
+
+    def message(self, message_id: str) -> dict[str, Any] | None:
+        cur = self.conn.execute(self.q["message_by_id"], {"id": message_id})
+        row = cur.fetchone()
+        if row is None:
+            return None
+        return {d[0]: v for d, v in zip(cur.description, row, strict=True)}
+
+    def stats(self, configured_channels: list[str] | None = None) -> dict[str, Any]:
+        """The ``queue stats --json`` object (SPEC 2)."""
+        now = self.clock()
+        by_state = {s: 0 for s in states.ALL}
+        for state, n in self.conn.execute(self.q["count_by_state"]):
+            by_state[state] = int(n)
+        channels: dict[str, dict[str, Any]] = {}
+
+        def channel_entry(name: str) -> dict[str, Any]:
+            return channels.setdefault(
+                name,
+                {"queued": 0, "claimed": 0, "inflight": 0, "oldest_queued_age_s": None, "paused": False},
+            )
+
+        for name in configured_channels or []:
+            channel_entry(name)
+        for name, _last_seq, paused, _at, _reason in self.conn.execute(self.q["channel_flags"]):
+            channel_entry(name)["paused"] = bool(paused)
+        for name, state, n, oldest in self.conn.execute(self.q["live_by_channel"]):
+            entry = channel_entry(name)
+            entry[state] = int(n)
+            if oldest is not None:
+                entry["oldest_queued_age_s"] = round(max(0.0, now - float(oldest)), 3)
+        lease = self.lease()
+        lease_obj = None
+        if lease is not None and lease.expires_at > now:
+            lease_obj = {"holder": lease.holder, "epoch": lease.epoch, "expires_at": rfc3339(lease.expires_at)}
+        return {
+            "states": by_state,
+            "channels": dict(sorted(channels.items())),
+            "lease": lease_obj,
+            "db": {
+                "path": str(self.db_path),
+                "size_bytes": _file_size(self.db_path),
+                "wal_bytes": _file_size(self.db_path.with_name(self.db_path.name + "-wal")),
+            },
+        }
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def rfc3339(ts: float) -> str:
+    """RFC 3339 UTC with millisecond precision and a Z."""
+    whole = time.gmtime(ts)
+    millis = int(round((ts - int(ts)) * 1000)) % 1000
+    return time.strftime("%Y-%m-%dT%H:%M:%S", whole) + f".{millis:03d}Z"

@@ -1,0 +1,166 @@
+-- Named queries of the hl7-agent queue. Each block starts with "-- name: x".
+-- Every state transition is a guarded UPDATE (WHERE id = ? AND state = ?)
+-- whose row count the caller checks; every dispatch write is fenced on the
+-- lease epoch (SPEC section 6).
+
+-- name: dedupe_lookup
+SELECT body_sha256, message_id, ack_mode, commit_ack, app_ack
+FROM dedupe_keys
+WHERE channel = :channel AND sending_app = :sending_app
+  AND sending_facility = :sending_facility AND control_id = :control_id
+  AND expires_at > :now
+
+-- name: dedupe_upsert
+INSERT INTO dedupe_keys (channel, sending_app, sending_facility, control_id, body_sha256,
+                         message_id, ack_mode, commit_ack, app_ack, expires_at)
+VALUES (:channel, :sending_app, :sending_facility, :control_id, :body_sha256,
+        :message_id, :ack_mode, :commit_ack, NULL, :expires_at)
+ON CONFLICT (channel, sending_app, sending_facility, control_id) DO UPDATE SET
+    body_sha256 = excluded.body_sha256, message_id = excluded.message_id,
+    ack_mode = excluded.ack_mode, commit_ack = excluded.commit_ack,
+    app_ack = NULL, expires_at = excluded.expires_at
+
+-- name: dedupe_set_app_ack
+UPDATE dedupe_keys SET app_ack = :app_ack WHERE message_id = :message_id
+
+-- name: next_seq
+INSERT INTO channels (channel, last_seq) VALUES (:channel, 1)
+ON CONFLICT (channel) DO UPDATE SET last_seq = last_seq + 1
+RETURNING last_seq
+
+-- name: insert_message
+INSERT INTO messages (id, channel, seq, state, remote, sending_app, sending_facility, control_id,
+                      message_type, encoding, body, body_sha256, ack_mode, accept_ack_type,
+                      application_ack_type, ack_sent, ack_outcome, attempts, next_attempt_at,
+                      error_code, error_text, received_at, updated_at)
+VALUES (:id, :channel, :seq, :state, :remote, :sending_app, :sending_facility, :control_id,
+        :message_type, :encoding, :body, :body_sha256, :ack_mode, :accept_ack_type,
+        :application_ack_type, :ack_sent, :ack_outcome, 0, 0,
+        :error_code, :error_text, :now, :now)
+
+-- name: replay_state
+SELECT state, ack_outcome, app_ack, server_status
+FROM messages WHERE id = :id
+
+-- name: set_ack_outcome
+UPDATE messages SET ack_outcome = :outcome, updated_at = :now
+WHERE id = :id AND ack_outcome <> :outcome
+
+-- name: set_app_ack
+UPDATE messages SET app_ack = :app_ack, updated_at = :now WHERE id = :id
+
+-- name: lease_row
+SELECT holder, holder_pid, holder_boot, holder_pidns, holder_start, epoch, expires_at
+FROM lease WHERE name = 'dispatch'
+
+-- name: lease_take
+UPDATE lease SET holder = :holder, holder_pid = :pid, holder_boot = :boot, holder_pidns = :pidns,
+                 holder_start = :start, epoch = epoch + 1, expires_at = :expires_at,
+                 acquired_at = :now, renewed_at = :now
+WHERE name = 'dispatch' AND epoch = :seen_epoch
+RETURNING epoch
+
+-- name: lease_renew
+UPDATE lease SET expires_at = :expires_at, renewed_at = :now
+WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch
+
+-- name: lease_release
+UPDATE lease SET holder = NULL, holder_pid = NULL, holder_boot = NULL, holder_pidns = NULL,
+                 holder_start = NULL, expires_at = NULL
+WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch
+
+-- name: lease_fence
+SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch
+
+-- name: recover_claimed
+UPDATE messages SET state = 'queued', updated_at = :now
+WHERE state = 'claimed'
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
+
+-- name: channel_head
+SELECT id, channel, seq, state, attempts, next_attempt_at, claim_epoch, remote, control_id,
+       message_type, encoding, body, received_at, ack_mode
+FROM messages
+WHERE channel = :channel AND state IN ('queued', 'claimed', 'inflight')
+ORDER BY seq
+LIMIT 1
+
+-- name: live_channels
+SELECT DISTINCT channel FROM messages WHERE state IN ('queued', 'claimed', 'inflight')
+
+-- name: claim
+UPDATE messages SET state = 'claimed', claim_epoch = :epoch, claimed_at = :now, updated_at = :now
+WHERE id = :id AND state = 'queued' AND next_attempt_at <= :now
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
+
+-- name: mark_inflight
+UPDATE messages SET state = 'inflight', attempts = attempts + 1, sent_at = :now,
+                    claim_epoch = :epoch, updated_at = :now
+WHERE id = :id AND state IN (:from_state, 'claimed') AND attempts = :attempts
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
+RETURNING attempts
+
+-- name: settle
+UPDATE messages SET state = :state, server_status = :server_status, server_ack = :server_ack,
+                    app_ack = COALESCE(:app_ack, app_ack), error_code = :error_code,
+                    error_text = :error_text, settled_at = :now, updated_at = :now
+WHERE id = :id AND state = 'inflight' AND attempts = :attempt
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
+
+-- name: requeue
+UPDATE messages SET state = 'queued', next_attempt_at = :next_attempt_at, server_status = :server_status,
+                    error_code = :error_code, error_text = :error_text, updated_at = :now
+WHERE id = :id AND state IN ('inflight', 'claimed') AND attempts = :attempt
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
+
+-- name: fail_live
+UPDATE messages SET state = :state, error_code = :error_code, error_text = :error_text,
+                    app_ack = COALESCE(:app_ack, app_ack), settled_at = :now, updated_at = :now
+WHERE id = :id AND state IN ('queued', 'claimed', 'inflight') AND attempts = :attempt
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
+
+-- name: channel_pause
+INSERT INTO channels (channel, last_seq, paused, paused_at, paused_reason)
+VALUES (:channel, 0, 1, :now, :reason)
+ON CONFLICT (channel) DO UPDATE SET paused = 1, paused_at = :now, paused_reason = :reason
+
+-- name: channel_resume
+INSERT INTO channels (channel, last_seq, paused) VALUES (:channel, 0, 0)
+ON CONFLICT (channel) DO UPDATE SET paused = 0, paused_at = NULL, paused_reason = NULL
+
+-- name: channel_flags
+SELECT channel, last_seq, paused, paused_at, paused_reason FROM channels ORDER BY channel
+
+-- name: count_by_state
+SELECT state, count(*) AS n FROM messages GROUP BY state
+
+-- name: live_by_channel
+SELECT channel, state, count(*) AS n, min(CASE WHEN state = 'queued' THEN received_at END) AS oldest
+FROM messages WHERE state IN ('queued', 'claimed', 'inflight')
+GROUP BY channel, state
+
+-- name: purge_expired_dedupe_keys
+DELETE FROM dedupe_keys WHERE expires_at <= :now
+
+-- name: purge_terminal_older_than
+DELETE FROM messages WHERE id IN (
+    SELECT id FROM messages
+    WHERE state IN ('processed', 'rejected', 'nacked') AND updated_at < :cutoff
+    ORDER BY updated_at LIMIT :limit)
+
+-- name: purge_oldest_terminal
+DELETE FROM messages WHERE id IN (
+    SELECT id FROM messages
+    WHERE state IN ('processed', 'rejected', 'nacked')
+    ORDER BY updated_at LIMIT :limit)
+
+-- name: message_by_id
+SELECT id, channel, seq, state, remote, sending_app, sending_facility, control_id, message_type,
+       encoding, body, body_sha256, ack_mode, accept_ack_type, application_ack_type, ack_sent,
+       app_ack, ack_outcome, attempts, next_attempt_at, claim_epoch, server_status, server_ack,
+       error_code, error_text, received_at, claimed_at, sent_at, settled_at, updated_at
+FROM messages WHERE id = :id
+
+-- name: probe_write
+INSERT INTO meta (key, value) VALUES ('last_probe', :now)
+ON CONFLICT (key) DO UPDATE SET value = excluded.value
