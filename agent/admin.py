@@ -100,6 +100,12 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:200] if text else type(exc).__name__
 
 
+def _rfc3339(epoch: float) -> str:
+    """UTC, whole seconds: ``2025-06-02T09:14:31Z`` (what operators compare to logs)."""
+    moment = _dt.datetime.fromtimestamp(epoch, tz=_dt.UTC).replace(microsecond=0)
+    return moment.isoformat().replace("+00:00", "Z")
+
+
 def collect_view_data(view: RuntimeView, now: float | None = None) -> dict[str, Any]:
     """The `/status.json` document; a failing section is None plus a reason.
 
@@ -120,8 +126,8 @@ def collect_view_data(view: RuntimeView, now: float | None = None) -> dict[str, 
     data: dict[str, Any] = {
         "agent_id": view.agent_id,
         "version": view.version,
-        "started_at": _dt.datetime.fromtimestamp(view.started_at, tz=_dt.UTC).isoformat(),
-        "generated_at": _dt.datetime.fromtimestamp(now, tz=_dt.UTC).isoformat(),
+        "started_at": _rfc3339(view.started_at),
+        "generated_at": _rfc3339(now),
         "uptime_s": max(0.0, round(now - view.started_at, 3)),
         "listeners_up": guarded("listeners", view.listeners_up),
         "upstream": guarded("upstream", view.upstream_state),

@@ -49,7 +49,7 @@ main{padding:18px 24px;max-width:1200px}
   box-shadow:0 1px 2px rgba(0,0,0,.08)}
 .card h2{font-size:12px;text-transform:uppercase;letter-spacing:.05em;color:#5b6475;margin:0 0 6px}
 .card .big{font-size:18px;font-weight:600}
-.card .sub{color:#5b6475;font-size:12px;word-break:break-all}
+.card .sub{color:#5b6475;font-size:12px;overflow-wrap:anywhere}
 .card.ok{border-left-color:#1f9d55}.card.warn{border-left-color:#d98e04}
 .card.bad{border-left-color:#cc1f1a}
 section{background:#fff;border-radius:6px;padding:12px 14px;margin-bottom:18px;
@@ -58,7 +58,8 @@ section h2{font-size:15px;margin:0 0 8px}
 table{border-collapse:collapse;width:100%}
 th,td{text-align:left;padding:5px 8px;border-bottom:1px solid #e3e6eb;vertical-align:top}
 th{font-size:12px;color:#5b6475;font-weight:600;background:#fafbfc}
-td.n{text-align:right;font-variant-numeric:tabular-nums}
+td.n,th.n{text-align:right;font-variant-numeric:tabular-nums}
+td.w{white-space:nowrap}
 .badge{display:inline-block;padding:1px 8px;border-radius:10px;font-size:12px;font-weight:600}
 .b-ok{background:#e3f5ea;color:#16703c}.b-warn{background:#fdf1d8;color:#8a5a00}
 .b-bad{background:#fbe3e2;color:#a11a16}.b-mute{background:#eceef2;color:#5b6475}
@@ -237,8 +238,9 @@ def _channels_section(stats: Mapping[str, Any] | None, errors: Mapping[str, Any]
             f"{_age_cell(ch.get('oldest_queued_age_s'))}<td>{badge}</td></tr>"
         )
     return (
-        f"{head}<table><thead><tr><th>channel</th><th>queued</th><th>claimed</th>"
-        f"<th>inflight</th><th>oldest queued</th><th>dispatch</th></tr></thead>"
+        f'{head}<table><thead><tr><th>channel</th><th class="n">queued</th>'
+        f'<th class="n">claimed</th><th class="n">inflight</th>'
+        f'<th class="n">oldest queued</th><th>dispatch</th></tr></thead>'
         f"<tbody>{''.join(rows)}</tbody></table></section>"
     )
 
@@ -258,19 +260,19 @@ def _failures_section(
         code = f.get("error_code")
         rows.append(
             f"<tr><td><code>{_e(f.get('id'))}</code></td>"
-            f"<td><code>{_e(f.get('channel'))}</code></td>"
+            f'<td class="w"><code>{_e(f.get("channel"))}</code></td>'
             f"<td><code>{_e(f.get('control_id'))}</code></td>"
-            f"<td>{_e(f.get('message_type'))}</td>"
+            f'<td class="w">{_e(f.get("message_type"))}</td>'
             f'<td><span class="badge {cls}">{_e(state)}</span></td>'
-            f"<td>{_e(code) if code is not None else ''}"
+            f"<td>{'<b>' + _e(code) + '</b>' if code is not None else ''}"
             f"{' ' if code is not None and f.get('error_text') else ''}"
             f"{_e(_clip(f.get('error_text')))}</td>"
             f'<td class="n">{_e(f.get("attempts"))}</td>'
-            f"<td>{_e(_when(f.get('updated_at')))}</td></tr>"
+            f'<td class="w">{_e(_when(f.get("updated_at")))}</td></tr>'
         )
     return (
         f"{head}<table><thead><tr><th>id</th><th>channel</th><th>control id</th>"
-        f"<th>type</th><th>state</th><th>error</th><th>attempts</th><th>when</th></tr>"
+        '<th>type</th><th>state</th><th>error</th><th class="n">attempts</th><th>when</th></tr>'
         f"</thead><tbody>{''.join(rows)}</tbody></table></section>"
     )
 

@@ -189,7 +189,7 @@ class TestContent:
             "body": "MSH|^~\\&|SECRET-PATIENT",
         }
         page = render_status_page(_view(recent_failures=[failure]))
-        for text in ("3f2a9c1e", "MSG0001", "ADT^A01", "rejected", "400 unknown patient"):
+        for text in ("3f2a9c1e", "MSG0001", "ADT^A01", "rejected", "<b>400</b> unknown patient"):
             assert text in page
         assert "2025-01-01 00:00:00Z" in page
         assert "SECRET-PATIENT" not in page
