@@ -1,0 +1,330 @@
+"""``hl7-agent dev-server``: a small reference server speaking protocol v1 (SPEC 2, 5).
+
+For trying the agent and for tests, not for production; it shares no code
+with the agent's dispatch path beyond the frame definitions in
+``agent.protocol``, so it checks the agent against the contract rather than
+against itself.
+
+Behaviour: bearer-token check in the HTTP upgrade (401 otherwise), hello ->
+welcome, and for each transmit either the remembered 2xx answer (when
+``replay``; re-stamped with the current attempt), the answer a ``decide``
+callback scripts (status, ack, delay, or ``None`` = never answer), or by
+default 200 with an AA built from the message's own MSH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, replace
+from http import HTTPStatus
+from pathlib import Path
+
+import structlog
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from agent.acks import AckCode, build_ack
+from agent.envelope import read_msh
+from agent.errors import ConfigError, HL7Error, ProtocolError
+from agent.protocol import (
+    PROTOCOL_VERSION,
+    ErrorMessage,
+    Hello,
+    Transmit,
+    TransmitResponse,
+    Welcome,
+    parse_client_frame,
+)
+
+log = structlog.get_logger(__name__)
+
+#: Accept frames up to 64 MiB: comfortably above 6 x any sane max_message_bytes.
+DEFAULT_MAX_SIZE = 64 * 1024 * 1024
+TOKEN_ENV = "HL7_AGENT_DEV_TOKEN"
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the server says to one transmit: a status, an optional ACK, after ``delay`` seconds."""
+
+    status: int
+    ack: str | None = None
+    delay: float = 0
+
+
+Decide = Callable[[Transmit], Awaitable[Answer | None]]
+
+
+def default_answer(t: Transmit) -> Answer:
+    """200 with an AA built from the transmit's MSH; 400 with an AE when its MSH is unreadable."""
+    body = t.body.encode("utf-8")
+    try:
+        inbound = read_msh(body)
+    except HL7Error as exc:
+        ack = build_ack(
+            None,
+            AckCode.AE,
+            text="unreadable MSH",
+            error_code=exc.error_code,
+            codec="utf-8",
+            inbound_control_id=t.control_id,
+        )
+        return Answer(400, ack.decode("utf-8"))
+    return Answer(200, build_ack(inbound, AckCode.AA, codec="utf-8").decode("utf-8"))
+
+
+class DevServer:
+    """The reference upstream server; tests read ``received`` / ``answered`` / ``sent``."""
+
+    def __init__(
+        self,
+        *,
+        token: str | None,
+        replay: bool = True,
+        store_path: str | None = None,
+        decide: Decide | None = None,
+        max_size: int = DEFAULT_MAX_SIZE,
+        hello_timeout: float = 10.0,
+    ) -> None:
+        self.token = token
+        self.replay = replay
+        self.store_path = Path(store_path) if store_path else None
+        self.decide = decide
+        self.max_size = max_size
+        self.hello_timeout = hello_timeout
+        self.received: list[Transmit] = []  # every transmit, arrival order, resends too
+        self.answered: dict[str, TransmitResponse] = {}  # 2xx answers by id (replay)
+        self.sent: list[TransmitResponse] = []  # every transmit_response written, in order
+        self.connections = 0  # WebSocket connections accepted (past the token check)
+        self.max_concurrent_sessions_seen = 0
+        self._active: set[ServerConnection] = set()
+        self._server: Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._changed = asyncio.Event()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        if self.token is None:
+            log.warning("dev_server_no_token", hint="accepting every client without a token")
+        self._server = await serve(
+            self._handle,
+            host,
+            port,
+            process_request=self._authorize,
+            max_size=self.max_size,
+            compression=None,
+        )
+        log.info("dev_server_listening", host=host, port=self.port, replay=self.replay)
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("DevServer is not started")
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self._active)
+
+    async def stop(self) -> None:
+        """Stop listening, close every connection (1001) and cancel pending answers."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks)
+
+    async def close_connections(self, code: int = 1000, reason: str = "") -> None:
+        """Close every open session with ``code`` (tests use 1009, "message too big")."""
+        await asyncio.gather(*(ws.close(code, reason) for ws in list(self._active)))
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+        """Wait until ``predicate()`` holds, re-checked on every received/sent frame."""
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await self._changed.wait()
+
+    def _pulse(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- HTTP upgrade ------------------------------------------------------------
+
+    def _authorize(self, connection: ServerConnection, request: Request) -> Response | None:
+        """SPEC 5: ``Authorization: Bearer <token>``, else HTTP 401."""
+        if self.token is None:
+            return None
+        given = request.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            return None
+        log.warning("dev_server_auth_failed", peer=_peer(connection))
+        response = connection.respond(HTTPStatus.UNAUTHORIZED, "missing or invalid bearer token\n")
+        response.headers["WWW-Authenticate"] = 'Bearer realm="hl7-agent"'
+        return response
+
+    # -- protocol ------------------------------------------------------------------
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        self.connections += 1
+        self._active.add(ws)
+        self.max_concurrent_sessions_seen = max(
+            self.max_concurrent_sessions_seen, len(self._active)
+        )
+        peer = _peer(ws)
+        mine: set[asyncio.Task[None]] = set()
+        try:
+            hello = await self._expect_hello(ws, peer)
+            if hello is None:
+                return
+            await ws.send(Welcome(self.replay).to_json())
+            log.info(
+                "dev_server_session", peer=peer, agent_id=hello.agent_id, version=hello.version
+            )
+            self._pulse()
+            async for frame in ws:
+                try:
+                    message = parse_client_frame(frame)
+                except ProtocolError as exc:
+                    log.warning("dev_server_protocol_error", peer=peer, error=str(exc))
+                    await ws.send(ErrorMessage(str(exc)).to_json())
+                    continue
+                if isinstance(message, Transmit):
+                    task = asyncio.create_task(self._on_transmit(ws, message))
+                    mine.add(task)
+                    self._tasks.add(task)
+                    task.add_done_callback(mine.discard)
+                    task.add_done_callback(self._tasks.discard)
+                elif isinstance(message, ErrorMessage):
+                    log.warning("dev_server_agent_error", peer=peer, message=message.message[:500])
+                else:
+                    await ws.send(ErrorMessage("hello already received").to_json())
+        except ConnectionClosed:
+            pass
+        finally:
+            self._active.discard(ws)
+            for task in mine:
+                task.cancel()
+            self._pulse()
+
+    async def _expect_hello(self, ws: ServerConnection, peer: str) -> Hello | None:
+        try:
+            message = parse_client_frame(await asyncio.wait_for(ws.recv(), self.hello_timeout))
+        except TimeoutError:
+            await ws.close(1002, "no hello")
+            return None
+        except ProtocolError as exc:
+            await ws.send(ErrorMessage(str(exc)).to_json())
+            await ws.close(1002, "expected hello")
+            return None
+        if not isinstance(message, Hello):
+            await ws.send(ErrorMessage("expected hello first").to_json())
+            await ws.close(1002, "expected hello")
+            return None
+        if message.protocol != PROTOCOL_VERSION:
+            log.warning("dev_server_protocol_unsupported", peer=peer, protocol=message.protocol)
+            await ws.send(ErrorMessage(f"unsupported protocol {message.protocol}").to_json())
+            await ws.close(1002, "unsupported protocol")
+            return None
+        return message
+
+    async def _on_transmit(self, ws: ServerConnection, t: Transmit) -> None:
+        self.received.append(t)
+        log.info(
+            "dev_server_received",
+            id=t.id,
+            channel=t.channel,
+            seq=t.seq,
+            attempt=t.attempt,
+            control_id=t.control_id,
+            message_type=t.message_type,
+        )
+        self._store(t)
+        self._pulse()
+        remembered = self.answered.get(t.id) if self.replay else None
+        if remembered is not None:
+            # SPEC 5: a replayed answer carries the current attempt.
+            response = replace(remembered, attempt=t.attempt)
+        else:
+            answer = await self.decide(t) if self.decide is not None else default_answer(t)
+            if answer is None:
+                return  # scripted silence: the agent's response timeout must cope
+            if answer.delay > 0:
+                await asyncio.sleep(answer.delay)  # scripted server latency
+            response = TransmitResponse(t.id, t.attempt, answer.status, answer.ack)
+            if 200 <= answer.status <= 299:
+                # Remembered once processed, even if the answer is then lost:
+                # that is what makes a resend after a broken connection safe.
+                self.answered[t.id] = response
+        try:
+            await ws.send(response.to_json())
+        except ConnectionClosed:
+            return
+        self.sent.append(response)
+        self._pulse()
+
+    def _store(self, t: Transmit) -> None:
+        if self.store_path is None:
+            return
+        line = json.dumps(asdict(t), ensure_ascii=False, separators=(",", ":"))
+        with self.store_path.open("a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+def _peer(connection: ServerConnection) -> str:
+    try:
+        host, port = connection.remote_address[:2]
+    except (TypeError, ValueError):
+        return "unknown"
+    return f"{host}:{port}"
+
+
+def read_dev_token(token_file: str | None) -> str | None:
+    """The dev server's token: ``--token-file`` contents, else env HL7_AGENT_DEV_TOKEN, else None."""
+    if token_file:
+        try:
+            token = Path(token_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --token-file {token_file}: {exc.strerror}") from None
+        if not token:
+            raise ConfigError(f"--token-file {token_file} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def run_dev_server(
+    host: str, port: int, token: str | None, replay: bool, store_path: str | None
+) -> int:
+    """Serve until SIGINT/SIGTERM; 0 on a clean stop, 1 if the address cannot be bound."""
+
+    async def main() -> int:
+        server = DevServer(token=token, replay=replay, store_path=store_path)
+        try:
+            await server.start(host, port)
+        except OSError as exc:
+            log.error("dev_server_bind_failed", host=host, port=port, error=str(exc))
+            return 1
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            await server.stop()
+            log.info("dev_server_stopped", received=len(server.received))
+        return 0
+
+    return asyncio.run(main())
