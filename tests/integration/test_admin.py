@@ -162,6 +162,10 @@ class TestHealthz:
         server.stop()
         assert check_health(listen, timeout=1.0) is False
 
+    def test_check_health_wildcard_probes_loopback(self, server: AdminServer) -> None:
+        """A wildcard listen (0.0.0.0) is probed on loopback, where the server also answers."""
+        assert check_health(f"0.0.0.0:{server.address[1]}") is True
+
     def test_check_health_false_on_garbage(self) -> None:
         """A malformed address is False, not an exception."""
         assert check_health("no-port-here") is False
