@@ -1,0 +1,361 @@
+"""ACK building and reading (SPEC 4; HL7 tables 0008, 0155, 0357)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+
+import hl7
+import pytest
+
+from agent.acks import (
+    TABLE_0357,
+    AckCode,
+    Outcome,
+    ack_code,
+    app_ack_from_status,
+    application_ack_wanted,
+    build_ack,
+    commit_ack_wanted,
+    read_ack_code,
+)
+from agent.envelope import Envelope, MalformedMsh, read_msh
+
+Sample = Callable[[str], bytes]
+NOW = datetime(2024, 1, 15, 8, 30, 5, 123456, tzinfo=timezone(timedelta(hours=1)))
+
+
+def env(msh: str) -> Envelope:
+    """Read an envelope from an MSH line written as text."""
+    return read_msh(msh.encode("latin-1") + b"\r")
+
+
+def segments(ack: bytes, codec: str = "ascii") -> list[list[str]]:
+    """Split an ACK into segments and fields on its own field separator."""
+    text = ack.decode(codec)
+    assert text.endswith("\r")
+    sep = text[3]
+    return [seg.split(sep) for seg in text[:-1].split("\r")]
+
+
+V25 = "MSH|^~\\&|SENDAPP|SENDFAC|RECVAPP|RECVFAC|20240115||ADT^A01^ADT_A01|CTRL1|P|2.5"
+V23 = "MSH|^~\\&|SENDAPP|SENDFAC|RECVAPP|RECVFAC|20240115||ADT^A01|CTRL1|T|2.3.1"
+
+
+class TestAckCodeTable:
+    @pytest.mark.parametrize(
+        ("outcome", "original", "enhanced"),
+        [
+            (Outcome.COMMITTED, AckCode.AA, AckCode.CA),
+            (Outcome.RESEND_LATER, AckCode.AR, AckCode.CE),
+            (Outcome.UNSUPPORTED, AckCode.AR, AckCode.CR),
+            (Outcome.DUPLICATE_KEY, AckCode.AE, AckCode.CE),
+            (Outcome.MALFORMED, AckCode.AE, AckCode.CE),
+            (Outcome.TOO_LARGE, AckCode.AE, AckCode.CE),
+        ],
+    )
+    def test_spec_table(self, outcome: Outcome, original: AckCode, enhanced: AckCode) -> None:
+        """Each SPEC 4 row maps to its original-mode and enhanced-mode code."""
+        assert ack_code(outcome, enhanced=False) is original
+        assert ack_code(outcome, enhanced=True) is enhanced
+
+    def test_every_outcome_covered(self) -> None:
+        """No outcome is missing from the table."""
+        for outcome in Outcome:
+            ack_code(outcome, enhanced=False)
+            ack_code(outcome, enhanced=True)
+
+    def test_ack_code_is_str(self) -> None:
+        """AckCode values are the literal MSA-1 strings."""
+        assert str(AckCode.CA) == "CA"
+        assert AckCode.AE == "AE"
+
+
+class TestBuildAckMsh:
+    def test_accept_ack_fields(self) -> None:
+        """An AA swaps MSH-3/4 with 5/6, copies 11/12, echoes MSH-10 in MSA-2, has no ERR."""
+        ack = build_ack(env(V25), AckCode.AA, now=NOW, control_id="ACK1")
+        msh, msa = segments(ack)
+        assert msh[:6] == ["MSH", "^~\\&", "RECVAPP", "RECVFAC", "SENDAPP", "SENDFAC"]
+        assert msh[6] == "20240115083005.1234+0100"
+        assert msh[8] == "ACK^A01^ACK"
+        assert msh[9] == "ACK1"
+        assert msh[10:12] == ["P", "2.5"]
+        assert msa == ["MSA", "AA", "CTRL1", ""]
+
+    def test_processing_and_version_copied(self) -> None:
+        """MSH-11 T and MSH-12 2.3.1 are copied verbatim, never a hard-coded P."""
+        msh = segments(build_ack(env(V23), AckCode.AA, now=NOW))[0]
+        assert msh[10:12] == ["T", "2.3.1"]
+
+    def test_components_copied_verbatim(self) -> None:
+        """MSH-11/12 with components and MSH-3 with components are copied whole."""
+        inbound = env("MSH|^~\\&|APP^1.2.3^ISO|FAC|R|RF|T||ORU^R01|9|P^T|2.5^DEU")
+        msh = segments(build_ack(inbound, AckCode.AA, now=NOW))[0]
+        assert msh[4] == "APP^1.2.3^ISO"
+        assert msh[10:12] == ["P^T", "2.5^DEU"]
+
+    def test_new_control_id_unique_and_short(self) -> None:
+        """Each ACK gets a new MSH-10 of at most 20 characters."""
+        ids = {segments(build_ack(env(V25), AckCode.AA))[0][9] for _ in range(200)}
+        assert len(ids) == 200
+        assert all(0 < len(i) <= 20 for i in ids)
+        assert "CTRL1" not in ids
+
+    def test_timestamp_has_zone(self) -> None:
+        """MSH-7 defaults to now with a +/-ZZZZ time zone."""
+        ts = segments(build_ack(env(V25), AckCode.AA))[0][6]
+        assert len(ts) == len("20240115083005.1234+0100")
+        assert ts[-5] in "+-"
+        assert ts[14] == "."
+
+    def test_naive_now_is_local(self) -> None:
+        """A naive datetime is taken as local time and still gets a zone."""
+        ts = segments(build_ack(env(V25), AckCode.AA, now=datetime(2024, 1, 15, 8, 30)))[0][6]
+        assert ts.startswith("20240115083000.0000")
+        assert ts[-5] in "+-"
+
+    def test_no_trigger(self) -> None:
+        """MSH-9 is plain ACK when the inbound has no trigger event."""
+        inbound = env("MSH|^~\\&|A|B|C|D|||QRY|5|P|2.5")
+        assert segments(build_ack(inbound, AckCode.AA))[0][8] == "ACK"
+
+    def test_pre_231_msh9_two_components(self) -> None:
+        """Before v2.3.1 MSH-9 has no message-structure component: ACK^A01."""
+        inbound = env("MSH|^~\\&|A|B|C|D|||ADT^A01|5|P|2.3")
+        assert segments(build_ack(inbound, AckCode.AA))[0][8] == "ACK^A01"
+
+    def test_custom_separators(self, hl7_sample: Sample) -> None:
+        """The sender's MSH#$*@! delimiters are used throughout the ACK, also in ERR."""
+        inbound = read_msh(hl7_sample("custom_seps.hl7"))
+        ack = build_ack(inbound, AckCode.AE, text="bad#field", error_code=102, now=NOW)
+        text = ack.decode("ascii")
+        assert text.startswith("MSH#$*@!#HL7AGENT#CENTRAL#ACME#EAST#")
+        msh, msa, err = segments(ack)
+        assert msh[8] == "ACK$A03$ACK"
+        assert msa == ["MSA", "AE", "CS-9", "bad@F@field"]
+        assert err == ["ERR", "", "", "102$Data type error$HL70357", "E"]
+
+    def test_msh18_copied(self, hl7_sample: Sample) -> None:
+        """MSH-18 of the inbound is copied into the ACK's MSH-18."""
+        inbound = read_msh(hl7_sample("adt_a01_8859_1.hl7"))
+        msh = segments(build_ack(inbound, AckCode.AA, codec="iso8859-1"), "iso8859-1")[0]
+        assert len(msh) == 18
+        assert msh[17] == "8859/1"
+
+    def test_no_msh18_when_unset(self) -> None:
+        """An inbound without MSH-18 gets an ACK MSH ending at MSH-12."""
+        assert len(segments(build_ack(env(V25), AckCode.AA))[0]) == 12
+
+    def test_missing_processing_and_version_default(self) -> None:
+        """A partial envelope without MSH-11/12 gets P and 2.5."""
+        with pytest.raises(MalformedMsh) as info:
+            read_msh(b"MSH|^~\\&|A|B|C|D|||ADT^A01|42\r")
+        partial = info.value.partial
+        assert partial is not None
+        ack = build_ack(partial, AckCode.AE, text=info.value.text, error_code=101)
+        msh, msa, err = segments(ack)
+        assert msh[10:12] == ["P", "2.5"]
+        assert msa[:3] == ["MSA", "AE", "42"]
+        assert err[3] == "101^Required field missing^HL70357"
+
+    def test_utf8_fields_round_trip(self, hl7_sample: Sample) -> None:
+        """A non-ASCII MSH-4 read as bytes comes back byte for byte in the UTF-8 ACK's MSH-6."""
+        inbound = read_msh(hl7_sample("adt_a01_utf8.hl7"))
+        ack = build_ack(inbound, AckCode.CA, codec="utf-8", text="Reçu")
+        msh, msa = segments(ack, "utf-8")
+        assert msh[5] == "H\u00d4PITAL"
+        assert msa[3] == "Reçu"
+
+    def test_unencodable_text_replaced(self) -> None:
+        """Text the codec cannot encode is replaced, never raising."""
+        ack = build_ack(env(V25), AckCode.AE, text="\u5f20 failed", codec="ascii")
+        assert segments(ack)[1][3] == "? failed"
+
+    def test_bad_codec_falls_back_to_ascii(self) -> None:
+        """An unusable codec name still yields an ACK (ASCII)."""
+        for codec in ("no-such-codec", "utf-16"):
+            ack = build_ack(env(V25), AckCode.AA, codec=codec)
+            assert ack.startswith(b"MSH|^~\\&|")
+
+
+class TestBuildAckErr:
+    def test_accepts_have_no_err(self) -> None:
+        """AA and CA carry no ERR segment."""
+        for code in (AckCode.AA, AckCode.CA):
+            assert [s[0] for s in segments(build_ack(env(V25), code))] == ["MSH", "MSA"]
+
+    @pytest.mark.parametrize("code", [AckCode.AE, AckCode.AR, AckCode.CE, AckCode.CR])
+    def test_every_non_accept_has_err(self, code: AckCode) -> None:
+        """Every non-accept carries an ERR segment (207 when no code is given)."""
+        segs = segments(build_ack(env(V25), code, text="no"))
+        assert [s[0] for s in segs] == ["MSH", "MSA", "ERR"]
+        assert segs[2][3] == "207^Application internal error^HL70357"
+
+    @pytest.mark.parametrize("version", ["2.5", "2.5.1", "2.6", "2.8"])
+    def test_v25_plus_err3_err4(self, version: str) -> None:
+        """From v2.5 the code goes in ERR-3 with table 0357 text and ERR-4 is the severity."""
+        inbound = env(V25.replace("|2.5", f"|{version}"))
+        msh, msa, err = segments(build_ack(inbound, AckCode.AE, text="dup", error_code=205))
+        assert msh[11] == version
+        assert msa == ["MSA", "AE", "CTRL1", "dup"]
+        assert err == ["ERR", "", "", "205^Duplicate key identifier^HL70357", "E"]
+
+    @pytest.mark.parametrize("version", ["2.1", "2.2", "2.3", "2.3.1", "2.4"])
+    def test_pre_v25_err1_and_msa6(self, version: str) -> None:
+        """Before v2.5 the code goes in ERR-1 (as subcomponents) and MSA-6."""
+        inbound = env(V25.replace("|2.5", f"|{version}"))
+        _msh, msa, err = segments(build_ack(inbound, AckCode.AR, text="later", error_code=207))
+        assert msa == [
+            "MSA",
+            "AR",
+            "CTRL1",
+            "later",
+            "",
+            "",
+            "207^Application internal error^HL70357",
+        ]
+        assert err == ["ERR", "^^^207&Application internal error&HL70357"]
+
+    def test_severity(self) -> None:
+        """ERR-4 takes the given severity."""
+        err = segments(build_ack(env(V25), AckCode.CE, error_code=207, severity="W"))[2]
+        assert err[4] == "W"
+
+    def test_text_escaped(self) -> None:
+        """Delimiters in MSA-3 are escaped with the sender's escape sequences; CR/LF removed."""
+        ack = build_ack(env(V25), AckCode.AE, text="a|b^c~d\\e&f\rg", error_code=102)
+        assert segments(ack)[1][3] == "a\\F\\b\\S\\c\\R\\d\\E\\e\\T\\f g"
+
+    def test_all_0357_codes_have_text(self) -> None:
+        """Table 0357 covers the codes the SPEC uses."""
+        for code in (0, 100, 101, 102, 103, 200, 201, 202, 203, 204, 205, 206, 207):
+            assert TABLE_0357[code]
+
+
+class TestMinimalReject:
+    def test_no_envelope(self) -> None:
+        """A broken MSH gets a minimal reject with default separators and the scraped MSA-2."""
+        ack = build_ack(
+            None, AckCode.AE, text="MSH-2 unusable", error_code=102, inbound_control_id="X9"
+        )
+        msh, msa, err = segments(ack)
+        assert msh[:6] == ["MSH", "^~\\&", "", "", "", ""]
+        assert msh[8] == "ACK"
+        assert msh[10:12] == ["P", "2.5"]
+        assert msa == ["MSA", "AE", "X9", "MSH-2 unusable"]
+        assert err == ["ERR", "", "", "102^Data type error^HL70357", "E"]
+
+    def test_msa2_empty_without_control_id(self) -> None:
+        """MSA-2 is empty when the control id could not be read."""
+        msa = segments(build_ack(None, AckCode.AE, error_code=101))[1]
+        assert msa[2] == ""
+
+    def test_minimal_reject_parses(self) -> None:
+        """The minimal reject re-parses with hl7.parse."""
+        ack = build_ack(None, AckCode.AE, error_code=101)
+        message = hl7.parse(ack.decode("ascii"))
+        assert str(message.segment("MSA")[1]) == "AE"
+
+
+class TestReparse:
+    def test_ack_reparses_with_hl7(self) -> None:
+        """The ACK decodes and re-parses with hl7.parse; MSA and ERR fields are where expected."""
+        ack = build_ack(env(V25), AckCode.CE, text="later", error_code=207, codec="utf-8")
+        message = hl7.parse(ack.decode("utf-8"))
+        assert str(message.segment("MSH")[9]) == "ACK^A01^ACK"
+        assert message["MSA.F1"] == "CE"
+        assert message["MSA.F2"] == "CTRL1"
+        assert message["ERR.F3.R1.C1"] == "207"
+        assert message["ERR.F4"] == "E"
+
+    def test_lf_inbound(self, hl7_sample: Sample) -> None:
+        """An inbound with \\n endings gets a \\r-ended ACK with MSA-2 from its MSH-10."""
+        inbound = read_msh(hl7_sample("oru_r01_v251_lf.hl7"))
+        ack = build_ack(inbound, AckCode.CA, codec="utf-8")
+        assert b"\n" not in ack
+        message = hl7.parse(ack.decode("utf-8"))
+        assert message["MSA.F2"] == "LAB-778899"
+        assert read_ack_code(ack) == "CA"
+
+    def test_v23_ack_reparses(self, hl7_sample: Sample) -> None:
+        """A v2.3 reject re-parses with its MSA-6."""
+        inbound = read_msh(hl7_sample("adt_a01_v23_cr.hl7"))
+        ack = build_ack(inbound, AckCode.AE, error_code=101, text="x")
+        message = hl7.parse(ack.decode("ascii"))
+        assert message["MSA.F6.R1.C1"] == "101"
+        assert str(message.segment("MSH")[9]) == "ACK^A01"
+
+
+class TestAckWanted:
+    @pytest.mark.parametrize(
+        ("value", "on_success", "on_error"),
+        [
+            ("AL", True, True),
+            ("NE", False, False),
+            ("ER", False, True),
+            ("SU", True, False),
+            ("", True, True),
+            ("XX", True, True),
+            ("al", True, True),
+        ],
+    )
+    def test_table_0155(self, value: str, on_success: bool, on_error: bool) -> None:
+        """MSH-15 and MSH-16 follow table 0155: AL, NE, ER, SU; empty/unknown always."""
+        inbound = env(V25 + f"|||{value}|{value}")
+        assert commit_ack_wanted(inbound, success=True) is on_success
+        assert commit_ack_wanted(inbound, success=False) is on_error
+        assert application_ack_wanted(inbound, success=True) is on_success
+        assert application_ack_wanted(inbound, success=False) is on_error
+
+    def test_fields_are_independent(self) -> None:
+        """MSH-15 decides the commit ACK, MSH-16 the application ACK."""
+        inbound = env(V25 + "|||NE|AL")
+        assert not commit_ack_wanted(inbound, success=True)
+        assert application_ack_wanted(inbound, success=True)
+
+
+class TestAppAckFromStatus:
+    @pytest.mark.parametrize("status", [200, 201, 299])
+    def test_2xx_is_aa(self, status: int) -> None:
+        """A 2xx answer without ack becomes AA, no ERR."""
+        ack = app_ack_from_status(env(V25), status, "ascii", now=NOW)
+        assert [s[0] for s in segments(ack)] == ["MSH", "MSA"]
+        assert read_ack_code(ack) == "AA"
+
+    @pytest.mark.parametrize("status", [400, 422, 500])
+    def test_failure_is_ae_207(self, status: int) -> None:
+        """A rejected/failed answer becomes AE with ERR-3 207."""
+        segs = segments(app_ack_from_status(env(V25), status, "ascii"))
+        assert segs[1][1] == "AE"
+        assert segs[2][3] == "207^Application internal error^HL70357"
+
+    def test_enhanced_sender_gets_application_codes(self) -> None:
+        """Enhanced-mode senders get AA/AE for application ACKs, not CA/CE."""
+        inbound = env(V25 + "|||AL|AL")
+        assert read_ack_code(app_ack_from_status(inbound, 200, "ascii")) == "AA"
+        assert read_ack_code(app_ack_from_status(inbound, 400, "ascii")) == "AE"
+
+
+class TestReadAckCode:
+    def test_plain(self) -> None:
+        """MSA-1 of a \\r-ended ACK."""
+        assert read_ack_code(b"MSH|^~\\&|A|B|C|D|||ACK|1|P|2.5\rMSA|AA|X\r") == "AA"
+
+    def test_framed_and_lf(self) -> None:
+        """MLLP framing and \\n endings are tolerated."""
+        assert read_ack_code(b"\x0bMSH|^~\\&|A\nMSA|ce|X\n\x1c\r") == "CE"
+
+    def test_custom_separator(self) -> None:
+        """The MSA's own field separator is used."""
+        assert read_ack_code(b"MSH#$*@!#A\rMSA#AR#X\r") == "AR"
+
+    def test_no_msa(self) -> None:
+        """No MSA segment gives None."""
+        assert read_ack_code(b"MSH|^~\\&|A\rERR|x\r") is None
+        assert read_ack_code(b"") is None
+
+    def test_empty_msa1(self) -> None:
+        """An MSA with no MSA-1 gives an empty string."""
+        assert read_ack_code(b"MSH|^~\\&|A\rMSA\r") == ""
+        assert read_ack_code(b"MSH|^~\\&|A\rMSA||X\r") == ""
