@@ -7,6 +7,7 @@ a reject ACK, so ``build_ack`` never raises on odd input.
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 from datetime import datetime
@@ -137,6 +138,8 @@ def _usable_codec(codec: str) -> str:
 
 def _recode(raw: str, codec: str) -> str:
     """Turn an envelope field (latin-1 "bytes as text") into real text in ``codec``."""
+    if raw.isascii():
+        return raw  # every usable codec reads ASCII as ASCII (the common case)
     try:
         return raw.encode("latin-1").decode(codec, errors="replace")
     except UnicodeEncodeError:
@@ -172,6 +175,12 @@ class _Delims:
         return text.translate(self._table)
 
 
+@functools.lru_cache(maxsize=64)
+def _delims(field_sep: str, encoding_chars: str) -> _Delims:
+    """Delimiters (and their escape table) per sender style, built once."""
+    return _Delims(field_sep, encoding_chars)
+
+
 def build_ack(
     inbound: Envelope | None,
     code: AckCode,
@@ -194,9 +203,9 @@ def build_ack(
     """
     codec = _usable_codec(codec)
     if inbound is not None:
-        delims = _Delims(inbound.field_sep, inbound.encoding_chars)
+        delims = _delims(inbound.field_sep, inbound.encoding_chars)
     else:
-        delims = _Delims(DEFAULT_FIELD_SEP, DEFAULT_ENCODING_CHARS)
+        delims = _delims(DEFAULT_FIELD_SEP, DEFAULT_ENCODING_CHARS)
 
     def copied(raw: str) -> str:
         return _recode(raw, codec)
