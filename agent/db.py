@@ -33,15 +33,16 @@ def _sql_root() -> resources.abc.Traversable:
 
 
 def load_queries() -> dict[str, str]:
-    """Named queries from queries.sql: each block starts with ``-- name: x``."""
-    text = (_sql_root() / "queries.sql").read_text(encoding="utf-8")
+    """Named queries from every ``queue/*.sql``: each block starts with ``-- name: x``."""
     queries: dict[str, str] = {}
-    parts = _NAME_LINE.split(text)
-    # parts = [preamble, name1, body1, name2, body2, ...]
-    for name, body in zip(parts[1::2], parts[2::2], strict=True):
-        if name in queries:
-            raise RuntimeError(f"queries.sql defines {name!r} twice")
-        queries[name] = body.strip()
+    files = sorted((e for e in _sql_root().iterdir() if e.name.endswith(".sql")), key=lambda e: e.name)
+    for entry in files:
+        parts = _NAME_LINE.split(entry.read_text(encoding="utf-8"))
+        # parts = [preamble, name1, body1, name2, body2, ...]
+        for name, body in zip(parts[1::2], parts[2::2], strict=True):
+            if name in queries:
+                raise RuntimeError(f"{entry.name} defines query {name!r} a second time")
+            queries[name] = body.strip()
     return queries
 
 

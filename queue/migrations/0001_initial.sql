@@ -36,7 +36,8 @@ CREATE TABLE messages (
     app_ack              BLOB,                      -- application ACK owed/relayed to the source
     ack_outcome          TEXT NOT NULL DEFAULT 'pending'
         CHECK (ack_outcome IN ('pending', 'delivered', 'undelivered', 'not_owed')),
-    attempts             INTEGER NOT NULL DEFAULT 0,
+    attempts             INTEGER NOT NULL DEFAULT 0,  -- grows for life (attempt-scoped settles)
+    redrive_base         INTEGER NOT NULL DEFAULT 0,  -- attempts at the last operator re-drive
     next_attempt_at      REAL NOT NULL DEFAULT 0,
     claim_epoch          INTEGER,                   -- lease epoch of the last claim
     server_status        INTEGER,

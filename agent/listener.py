@@ -1,0 +1,510 @@
+"""MLLP listeners: one per channel, a connection task per sender (SPEC section 4).
+
+Thin asyncio around the pure parts: ``mllp.MllpDecoder`` frames the bytes,
+``envelope`` reads the MSH, ``acks`` builds the answers, the writer thread
+commits. Per connection, frames are handled as they arrive (so pipelined
+frames share group commits) but their ACKs are written strictly in arrival
+order, each in its own write. An accept ACK is written only after the row's
+commit returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import count
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from agent import acks, envelope, mllp
+from agent.acks import AckCode, Outcome
+from agent.envelope import Envelope, MalformedMsh, NoMshSegment
+from agent.errors import HL7Error, StorageError
+from agent.relay import AckRelay
+from agent.store import AuditItem, IntakeItem, IntakeResult
+from agent.writer import Writer
+
+if TYPE_CHECKING:
+    from agent.config import ChannelSettings
+    from agent.metrics import AgentMetrics
+
+log = structlog.get_logger(__name__)
+_connection_ids = count(1)
+
+#: Frames of one connection handled ahead of their ACK write (pipelining bound).
+MAX_PIPELINED_FRAMES = 32
+READ_CHUNK = 256 * 1024
+
+
+@dataclass
+class IntakeContext:
+    """What every listener of a process shares."""
+
+    writer: Writer
+    relay: AckRelay
+    application_ack_timeout: float = 30.0
+    metrics: AgentMetrics | None = None
+
+
+@dataclass
+class Reply:
+    """ACK frames to write in order, each with what to record once written."""
+
+    acks: list[tuple[bytes, Callable[[bool], None] | None]] = field(default_factory=list)
+    #: After writing: wait for this row's application ACK and relay it (enhanced mode).
+    relay_for: tuple[str, Envelope] | None = None
+
+    def add(self, ack: bytes | None, on_written: Callable[[bool], None] | None = None) -> Reply:
+        if ack is not None:
+            self.acks.append((ack, on_written))
+        return self
+
+
+def format_peer(peer: Any) -> str:
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host, port = peer[0], peer[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(peer or "unknown")
+
+
+def build_server_ssl(channel: ChannelSettings) -> ssl.SSLContext | None:
+    """TLS for a channel: ``tls_cert``/``tls_key``; ``tls_client_ca`` makes client certs required."""
+    if channel.tls_cert is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(str(channel.tls_cert), str(channel.tls_key) if channel.tls_key else None)
+    if channel.tls_client_ca is not None:
+        ctx.load_verify_locations(cafile=str(channel.tls_client_ca))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+class ChannelListener:
+    """Accepts senders for one channel on a listening socket it may share with a peer process."""
+
+    def __init__(self, channel: ChannelSettings, sock: socket.socket, ctx: IntakeContext) -> None:
+        self.channel = channel
+        self.sock = sock
+        self.ctx = ctx
+        self.connections: set[Connection] = set()
+        self._server: asyncio.Server | None = None
+        self._allowed = [ipaddress.ip_network(c, strict=False) for c in channel.allowed_sources]
+        self._ssl = build_server_ssl(channel)
+        self.log = log.bind(channel=channel.name)
+
+    async def start(self) -> None:
+        self.sock.setblocking(False)
+        self._server = await asyncio.start_server(
+            self._accept, sock=self.sock, ssl=self._ssl, limit=READ_CHUNK
+        )
+
+    @property
+    def serving(self) -> bool:
+        return self._server is not None and self._server.is_serving()
+
+    def stop_accepting(self) -> None:
+        """Close our handle on the listening socket; a successor holding the same socket goes on."""
+        if self._server is not None:
+            self._server.close()
+
+    def close_connections(self) -> None:
+        """Ask every connection to close after the message it is reading (SPEC 7)."""
+        for conn in list(self.connections):
+            conn.request_close()
+
+    def abort_connections(self) -> None:
+        for conn in list(self.connections):
+            conn.abort()
+
+    def _source_allowed(self, peer: Any) -> bool:
+        if not self._allowed:
+            return True
+        try:
+            address = ipaddress.ip_address(peer[0])
+        except (TypeError, ValueError, IndexError):
+            return False
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        return any(address in net for net in self._allowed)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        remote = format_peer(peer)
+        if not self._source_allowed(peer):
+            self.log.warning("connection_refused_source", peer=remote)
+            writer.close()
+            return
+        if self.channel.max_connections and len(self.connections) >= self.channel.max_connections:
+            self.log.warning("connection_refused_limit", peer=remote, limit=self.channel.max_connections)
+            writer.close()
+            return
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                # SPEC 4: each ACK in its own write, not coalesced by Nagle.
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Connection(self, reader, writer, remote)
+        self.connections.add(conn)
+        try:
+            await conn.serve()
+        finally:
+            self.connections.discard(conn)
+
+
+class Connection:
+    """One sender's connection: read frames, handle them, write ACKs in order."""
+
+    def __init__(
+        self,
+        listener: ChannelListener,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        remote: str,
+    ) -> None:
+        self.listener = listener
+        self.channel = listener.channel
+        self.ctx = listener.ctx
+        self.reader = reader
+        self.writer = writer
+        self.remote = remote
+        self.conn_id = next(_connection_ids)
+        self.decoder = mllp.MllpDecoder(self.channel.max_message_bytes)
+        self.replies: asyncio.Queue[asyncio.Task[Reply] | None] = asyncio.Queue(MAX_PIPELINED_FRAMES)
+        self.pending_frames = 0
+        self.write_lock = asyncio.Lock()
+        self.closing = asyncio.Event()
+        self.closed = False
+        self.junk_logged = False
+        self.relay_tasks: set[asyncio.Task[None]] = set()
+        self.log = log.bind(channel=self.channel.name, peer=remote, conn=self.conn_id)
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def request_close(self) -> None:
+        self.closing.set()
+
+    def abort(self) -> None:
+        self.closed = True
+        self.writer.transport.abort()
+
+    async def serve(self) -> None:
+        self.log.info("connection_opened")
+        ack_writer = asyncio.create_task(self._write_replies(), name=f"acks-{self.conn_id}")
+        try:
+            await self._read_frames()
+        except (ConnectionError, OSError) as exc:
+            self.log.info("connection_lost", error=str(exc))
+        finally:
+            await self.replies.put(None)
+            with contextlib.suppress(Exception):
+                await ack_writer
+            for task in list(self.relay_tasks):
+                task.cancel()
+            self.closed = True
+            self.writer.close()
+            with contextlib.suppress(Exception):
+                await self.writer.wait_closed()
+            self.log.info("connection_closed")
+
+    async def _read_chunk(self) -> bytes:
+        """The next bytes, or b"" at EOF, on idle timeout, or when asked to close while idle."""
+        read = asyncio.ensure_future(self.reader.read(READ_CHUNK))
+        closing = asyncio.ensure_future(self.closing.wait())
+        idle = self.channel.idle_timeout or None
+        try:
+            done, _ = await asyncio.wait(
+                {read, closing}, timeout=idle, return_when=asyncio.FIRST_COMPLETED
+            )
+            if read in done:
+                return read.result()
+            if not done:
+                self.log.info("connection_idle_timeout", idle_timeout=idle)
+                return b""
+            # Asked to close: finish a frame that is being read, else stop now.
+            if self.decoder.mid_frame:
+                return await read
+            return b""
+        finally:
+            for fut in (read, closing):
+                if not fut.done():
+                    fut.cancel()
+
+    async def _read_frames(self) -> None:
+        while True:
+            if self.closing.is_set() and not self.decoder.mid_frame:
+                return
+            data = await self._read_chunk()
+            if not data:
+                if self.decoder.mid_frame:
+                    self.log.warning("connection_closed_mid_frame", buffered=self.decoder.buffered_bytes())
+                return
+            for event in self.decoder.feed(data):
+                received_at = time.time()
+                if isinstance(event, mllp.Frame):
+                    await self._enqueue(self._handle_frame(event.payload, received_at))
+                elif isinstance(event, mllp.OversizeFrame):
+                    await self._enqueue(self._handle_oversize(event, received_at))
+                elif not self.junk_logged:
+                    self.junk_logged = True
+                    self.log.warning("bytes_outside_frame_skipped", count=event.count)
+
+    async def _enqueue(self, coro: Any) -> None:
+        self.pending_frames += 1
+        await self.replies.put(asyncio.create_task(coro))
+
+    async def _write_replies(self) -> None:
+        while True:
+            task = await self.replies.get()
+            if task is None:
+                return
+            try:
+                reply = await task
+            except Exception:  # noqa: BLE001 - a bug in one frame must not kill the connection
+                self.log.exception("frame_handling_failed")
+                reply = Reply()
+            finally:
+                self.pending_frames -= 1
+            for ack, on_written in reply.acks:
+                ok = await self._write_ack(ack)
+                if on_written is not None:
+                    on_written(ok)
+            if reply.relay_for is not None:
+                message_id, env = reply.relay_for
+                task_ = asyncio.create_task(self._relay_application_ack(message_id, env))
+                self.relay_tasks.add(task_)
+                task_.add_done_callback(self.relay_tasks.discard)
+
+    async def _write_ack(self, ack: bytes) -> bool:
+        if self.closed or self.writer.is_closing():
+            return False
+        async with self.write_lock:
+            try:
+                self.writer.write(mllp.encode_frame(ack))
+                await self.writer.drain()
+            except (ConnectionError, OSError) as exc:
+                self.log.info("ack_write_failed", error=str(exc))
+                return False
+        return True
+
+    # -- outcome bookkeeping -------------------------------------------------
+
+    def _record_outcome(self, message_id: str) -> Callable[[bool], None]:
+        def record(written: bool) -> None:
+            outcome = "delivered" if written else "undelivered"
+            self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, outcome))
+
+        return record
+
+    def _audit(self, item: AuditItem) -> None:
+        future = self.ctx.writer.submit(lambda s: s.record_audit(item))
+        future.add_done_callback(
+            lambda f: f.exception() and self.log.warning("audit_row_failed", error=str(f.exception()))
+        )
+
+    def _rejected(self, code: AckCode) -> None:
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.message_rejected(self.channel.name, str(code))
+
+    # -- frames --------------------------------------------------------------
+
+    async def _handle_oversize(self, event: mllp.OversizeFrame, received_at: float) -> Reply:
+        self.log.warning("frame_too_large", size=event.size, limit=self.channel.max_message_bytes)
+        text = f"message of {event.size} bytes exceeds max_message_bytes {self.channel.max_message_bytes}"
+        try:
+            env: Envelope | None = envelope.read_msh(event.prefix)
+        except NoMshSegment:
+            self._audit(AuditItem(self.channel.name, self.remote, event.prefix, "207", text, received_at=received_at))
+            return Reply()
+        except MalformedMsh as exc:
+            env = exc.partial
+        return self._reject(env, event.prefix, Outcome.TOO_LARGE, 207, text, received_at,
+                            codec=self._codec_or_default(env))
+
+    def _codec_or_default(self, env: Envelope | None) -> str:
+        if env is None:
+            return "ascii"
+        try:
+            return envelope.resolve_codec(env.charset, self.channel.encoding)
+        except HL7Error:
+            return "ascii"
+
+    def _reject(
+        self,
+        env: Envelope | None,
+        body: bytes,
+        outcome: Outcome,
+        error_code: int,
+        text: str,
+        received_at: float,
+        *,
+        codec: str = "ascii",
+        audit: bool = True,
+    ) -> Reply:
+        """A non-accept ACK (if MSH-15 wants one) plus a ``nacked`` audit row."""
+        enhanced = env.enhanced if env is not None else False
+        code = acks.ack_code(outcome, enhanced)
+        ack: bytes | None = None
+        if env is None or acks.commit_ack_wanted(env, success=False):
+            ack = acks.build_ack(
+                env, code, text=text, error_code=error_code, codec=codec,
+                inbound_control_id=envelope.scrape_control_id(body) if env is None else "",
+            )
+            self._rejected(code)
+        if audit:
+            self._audit(
+                AuditItem(
+                    self.channel.name, self.remote, body, str(error_code), text,
+                    sending_app=env.sending_app if env else "",
+                    sending_facility=env.sending_facility if env else "",
+                    control_id=env.control_id if env else "",
+                    message_type=env.message_type if env else "",
+                    ack_sent=ack, received_at=received_at,
+                )
+            )
+        self.log.info(
+            "message_rejected", code=str(code), error_code=error_code, reason=text,
+            control_id=env.control_id if env else None,
+            message_type=env.message_type if env else None,
+        )
+        return Reply().add(ack)
+
+    async def _handle_frame(self, payload: bytes, received_at: float) -> Reply:
+        name = self.channel.name
+        try:
+            env = envelope.read_msh(payload)
+        except NoMshSegment:
+            # SPEC 4: a frame with no MSH gets no ACK; it is kept as an audit row.
+            self.log.warning("frame_without_msh_dropped", size=len(payload))
+            self._audit(AuditItem(name, self.remote, payload, "100", "no MSH segment", received_at=received_at))
+            return Reply()
+        except MalformedMsh as exc:
+            return self._reject(exc.partial, payload, Outcome.MALFORMED, exc.error_code, exc.text,
+                                received_at, codec=self._codec_or_default(exc.partial))
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.message_received(name)
+        if env.is_ack:
+            # A sender acknowledging what we relayed: recorded, never queued or answered.
+            self.log.info("inbound_ack_recorded", control_id=env.control_id)
+            self._audit(
+                AuditItem(name, self.remote, payload, "0", "inbound ACK recorded",
+                          sending_app=env.sending_app, sending_facility=env.sending_facility,
+                          control_id=env.control_id, message_type=env.message_type,
+                          received_at=received_at)
+            )
+            return Reply()
+        try:
+            codec = envelope.resolve_codec(env.charset, self.channel.encoding)
+            envelope.decode_message(payload, codec)
+        except HL7Error as exc:
+            return self._reject(env, payload, Outcome.MALFORMED, exc.error_code, exc.text, received_at,
+                                codec="ascii")
+        ack_mode = "enhanced" if env.enhanced else self.channel.ack
+        commit_ack = None
+        if ack_mode != "application" and acks.commit_ack_wanted(env, success=True):
+            commit_ack = acks.build_ack(env, acks.ack_code(Outcome.COMMITTED, env.enhanced), codec=codec)
+        item = IntakeItem(
+            channel=name, remote=self.remote, sending_app=env.sending_app,
+            sending_facility=env.sending_facility, control_id=env.control_id,
+            message_type=env.message_type, body=payload, encoding=codec, ack_mode=ack_mode,
+            accept_ack_type=env.accept_ack_type, application_ack_type=env.application_ack_type,
+            commit_ack=commit_ack, received_at=received_at,
+        )
+        try:
+            result = await self.ctx.writer.run(lambda s: s.intake(item))
+        except StorageError as exc:
+            # SPEC 4: a storage failure is answered AR/CE ("resend later"), never AA/CA.
+            self.log.error("message_not_committed", control_id=env.control_id, error=str(exc))
+            return self._reject(env, payload, Outcome.RESEND_LATER, 207,
+                                "storage failure: message not accepted, resend later",
+                                received_at, codec=codec, audit=False)
+        return await self._answer(env, codec, item, result)
+
+    async def _answer(self, env: Envelope, codec: str, item: IntakeItem, result: IntakeResult) -> Reply:
+        mlog = self.log.bind(control_id=env.control_id, message_type=env.message_type, id=result.message_id)
+        if result.outcome == "backpressure":
+            mlog.warning("message_refused_backpressure")
+            return self._reject(env, item.body, Outcome.RESEND_LATER, 207,
+                                "queue full: message not accepted, resend later",
+                                item.received_at, codec=codec, audit=False)
+        if result.outcome == "conflict":
+            mlog.warning("control_id_reused_with_other_body", prior_id=result.message_id)
+            return self._reject(env, item.body, Outcome.DUPLICATE_KEY, 205,
+                                f"duplicate key identifier: MSH-10 {env.control_id} was used for another message",
+                                item.received_at, codec=codec)
+        if result.outcome == "accepted":
+            mlog.info("message_committed", seq=result.seq)
+            if self.ctx.metrics is not None:
+                self.ctx.metrics.message_committed(item.channel)
+            return await self._final_acks(env, codec, result.message_id, item.ack_mode,
+                                          commit_ack=item.commit_ack, app_ack=None)
+        # duplicate: replay the final ACK byte for byte (SPEC 4 and 6)
+        mlog.info("retransmit_answered_from_dedupe", prior_state=result.prior_state)
+        return await self._final_acks(env, codec, result.message_id, result.ack_mode,
+                                      commit_ack=result.commit_ack, app_ack=result.app_ack)
+
+    async def _final_acks(
+        self, env: Envelope, codec: str, message_id: str, ack_mode: str,
+        *, commit_ack: bytes | None, app_ack: bytes | None,
+    ) -> Reply:
+        reply = Reply()
+        if ack_mode == "commit":
+            if commit_ack is None:
+                self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, "not_owed"))
+                return reply
+            return reply.add(commit_ack, self._record_outcome(message_id))
+        if ack_mode == "enhanced":
+            reply.add(commit_ack)
+            success = None if app_ack is None else acks.read_ack_code(app_ack) in ("AA", "CA")
+            if app_ack is not None:
+                if acks.application_ack_wanted(env, success=bool(success)):
+                    reply.add(app_ack, self._record_outcome(message_id))
+                else:
+                    self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, "not_owed"))
+            elif env.application_ack_type.upper() == "NE":
+                self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, "not_owed"))
+            else:
+                reply.relay_for = (message_id, env)
+            return reply
+        # Original mode, channel ack = "application": hold the answer for the server's ACK.
+        if app_ack is None:
+            app_ack = await self.ctx.relay.wait(message_id, self.ctx.application_ack_timeout)
+        if app_ack is not None:
+            return reply.add(app_ack, self._record_outcome(message_id))
+        self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, "undelivered"))
+        self.log.info("application_ack_timed_out", id=message_id, control_id=env.control_id)
+        ar = acks.build_ack(
+            env, AckCode.AR, codec=codec, error_code=207,
+            text="accepted and queued; resend later for the application response",
+        )
+        self._rejected(AckCode.AR)
+        return reply.add(ar)
+
+    async def _relay_application_ack(self, message_id: str, env: Envelope) -> None:
+        """Enhanced mode: relay the server's ACK when it comes, if this connection is idle."""
+        try:
+            app_ack = await self.ctx.relay.wait(message_id, timeout=None)
+        except asyncio.CancelledError:
+            # The connection closed first: the sender's retransmit gets it replayed.
+            self._record_outcome(message_id)(False)
+            raise
+        if app_ack is None:
+            return
+        success = acks.read_ack_code(app_ack) in ("AA", "CA")
+        if not acks.application_ack_wanted(env, success=success):
+            self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, "not_owed"))
+            return
+        # SPEC 4: written only when no message on this connection awaits its own ACK.
+        if self.pending_frames == 0 and not self.decoder.mid_frame and not self.closed:
+            written = await self._write_ack(app_ack)
+        else:
+            written = False
+        self._record_outcome(message_id)(written)
+        self.log.info("application_ack_relayed" if written else "application_ack_undelivered", id=message_id)

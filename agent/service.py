@@ -1,0 +1,387 @@
+"""The daemon: assembles database, listeners, dispatcher and admin, and stops them in order.
+
+Shutdown order on SIGTERM (uvicorn's, SPEC 7): stop accepting; let every
+connection finish the frame it is reading (commit + ACK) and close idle ones
+so senders reconnect to the successor; give pending application ACKs a
+bounded wait; stop claiming and let in-flight transmits settle; release the
+lease; checkpoint the WAL; exit 0 — all within ``agent.shutdown_budget``.
+A second signal skips the waiting: connections are cut and the dispatcher
+cancelled, but every job already handed to the writer is still committed, so
+nothing that got an accept ACK is lost (inflight rows are recovered by the
+next lease holder, SPEC 6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import time
+from typing import Any
+
+import structlog
+
+from agent import __version__, db, sockets
+from agent.admin import AdminServer, RuntimeView
+from agent.config import Settings
+from agent.errors import ConfigError, StorageError
+from agent.listener import ChannelListener, IntakeContext
+from agent.metrics import AgentMetrics
+from agent.relay import AckRelay
+from agent.sdnotify import Notifier
+from agent.store import SqliteStore
+from agent.writer import Reader, Writer
+
+log = structlog.get_logger(__name__)
+
+HANDOVER_SOCKET = "handover.sock"
+RECENT_FAILURES_SQL = """
+SELECT id, channel, control_id, message_type, state, error_code, error_text, attempts, updated_at
+FROM messages WHERE state IN ('failed', 'rejected')
+ORDER BY updated_at DESC LIMIT ?
+"""
+
+
+def make_store(conn: Any, settings: Settings) -> SqliteStore:
+    q = settings.queue
+    return SqliteStore(
+        conn,
+        db.load_queries(),
+        db_path=settings.db_path,
+        dedupe_window=q.dedupe_window,
+        retention=q.retention,
+        max_db_bytes=q.max_db_bytes,
+        min_free_disk_bytes=q.min_free_disk_bytes,
+    )
+
+
+def db_options(settings: Settings) -> db.DatabaseOptions:
+    return db.DatabaseOptions(
+        synchronous=settings.queue.synchronous, busy_timeout=settings.queue.busy_timeout
+    )
+
+
+def refuse_unsupported_security(settings: Settings) -> None:
+    """A security setting is never silently ignored (SPEC 3)."""
+    if settings.server.client_cert is not None and settings.server.client_key is None:
+        raise ConfigError("config error: server.client_cert needs server.client_key")
+
+
+class Agent:
+    """One daemon process."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = AgentMetrics()
+        self.metrics.set_info(agent_id=settings.agent.id, version=__version__)
+        self.notifier = Notifier.from_environ()
+        self.listeners: list[ChannelListener] = []
+        self.stop_requested = asyncio.Event()
+        self.force_stop = asyncio.Event()
+        self.started_at = time.time()
+        self.writer: Writer | None = None
+        self.reader: Reader | None = None
+        self.relay: AckRelay | None = None
+        self.handover: sockets.HandoverServer | None = None
+        self.admin: AdminServer | None = None
+        self.dispatcher: Any = None
+        self.tasks: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._signals = 0
+
+    # -- start ---------------------------------------------------------------
+
+    def _open_database(self) -> None:
+        s = self.settings
+        options = db_options(s)
+        conn = db.open_database(s.db_path, s.agent.id, options, time.time())
+        self.writer = Writer(make_store(conn, s))
+        self.writer.start()
+        self.reader = Reader(make_store(db.connect(s.db_path, options, create=False), s))
+
+    async def _listening_sockets(self) -> dict[str, socket.socket]:
+        """systemd's sockets, else a predecessor's (handover), else bind (SPEC 7)."""
+        wanted = {c.name for c in self.settings.channels}
+        found: dict[str, socket.socket] = {}
+        inherited = sockets.inherited_sockets()
+        for name, socks in inherited.items():
+            if name in wanted and socks:
+                found[name] = socks[0]
+                for extra in socks[1:]:
+                    extra.close()
+            else:
+                log.warning("inherited_socket_unused", name=name, hint="FileDescriptorName must equal a channel name")
+                for sock in socks:
+                    sock.close()
+        if found:
+            log.info("listeners_inherited_from_systemd", channels=sorted(found))
+        missing = wanted - found.keys()
+        if missing:
+            handed = await sockets.receive_handover(self.settings.agent.data_dir / HANDOVER_SOCKET)
+            for name, sock in (handed or {}).items():
+                if name in missing:
+                    found[name] = sock
+                else:
+                    sock.close()
+            if handed:
+                log.info("listeners_received_by_handover", channels=sorted(set(handed) & missing))
+        reuse_port = self.settings.agent.reuse_port
+        for channel in self.settings.channels:
+            if channel.name in found:
+                continue
+            if reuse_port and not sockets.tcp_migrate_req_enabled():
+                log.warning(
+                    "reuse_port_may_reset_connections",
+                    channel=channel.name,
+                    hint="closing a SO_REUSEPORT listener resets its queued connections unless "
+                    "net.ipv4.tcp_migrate_req=1; prefer the handover socket or systemd activation",
+                )
+            try:
+                found[channel.name] = sockets.bind_listener(channel.host, channel.port, reuse_port=reuse_port)
+            except OSError as exc:
+                raise ConfigError(
+                    f"channels.{channel.name}.listen: cannot listen on {channel.listen}: {exc.strerror or exc}"
+                ) from exc
+        return found
+
+    def _view(self) -> RuntimeView:
+        assert self.reader is not None
+        reader = self.reader
+        names = [c.name for c in self.settings.channels]
+
+        def recent_failures(limit: int) -> list[dict[str, Any]]:
+            def query(store: SqliteStore) -> list[dict[str, Any]]:
+                cur = store.conn.execute(RECENT_FAILURES_SQL, (limit,))
+                return [{d[0]: v for d, v in zip(cur.description, row, strict=True)} for row in cur]
+
+            return reader.call(query)
+
+        return RuntimeView(
+            agent_id=self.settings.agent.id,
+            version=__version__,
+            started_at=self.started_at,
+            listeners_up=lambda: bool(self.listeners) and all(lst.serving for lst in self.listeners)
+            or (not self.settings.channels),
+            db_writable=self._db_writable,
+            upstream_state=self._upstream_state,
+            lease_held=lambda: bool(self.dispatcher is not None and self.dispatcher.lease_held),
+            stats=lambda: reader.call(lambda s: s.stats(names)),
+            recent_failures=recent_failures,
+        )
+
+    def _db_writable(self) -> tuple[bool, str]:
+        assert self.writer is not None
+        try:
+            self.writer.submit(lambda s: s.probe_write()).result(timeout=2.0)
+        except TimeoutError:
+            return False, "database write probe timed out (locked or slow disk)"
+        except Exception as exc:  # noqa: BLE001 - any failure means not writable
+            return False, f"database not writable: {exc}"
+        return True, "ok"
+
+    def _upstream_state(self) -> dict[str, Any]:
+        url = self.settings.server.url
+        if self.dispatcher is None:
+            return {"configured": bool(url), "connected": False, "url": url, "replay": None, "last_error": None}
+        return self.dispatcher.upstream_state()
+
+    async def start(self) -> None:
+        s = self.settings
+        refuse_unsupported_security(s)
+        self._loop = asyncio.get_running_loop()
+        self._open_database()
+        assert self.writer is not None and self.reader is not None
+        self.relay = AckRelay(self.reader)
+        ctx = IntakeContext(
+            writer=self.writer,
+            relay=self.relay,
+            application_ack_timeout=s.server.application_ack_timeout,
+            metrics=self.metrics,
+        )
+        socks = await self._listening_sockets()
+        for channel in s.channels:
+            listener = ChannelListener(channel, socks[channel.name], ctx)
+            await listener.start()
+            self.listeners.append(listener)
+            host, port = socks[channel.name].getsockname()[:2]
+            log.info("listener_started", channel=channel.name, host=host, port=port, ack=channel.ack)
+        self.handover = sockets.HandoverServer(
+            s.agent.data_dir / HANDOVER_SOCKET, lambda: {lst.channel.name: lst.sock for lst in self.listeners}
+        )
+        try:
+            await self.handover.start()
+        except OSError as exc:
+            log.warning("handover_server_unavailable", error=str(exc))
+            self.handover = None
+        self.metrics.bind_stats(self._view().stats)
+        if s.admin.listen:
+            self.admin = AdminServer(s.admin.listen, self._view(), self.metrics)
+            self.admin.start()
+        if s.server.url:
+            from agent.dispatcher import Dispatcher  # the dispatcher pulls in websockets
+
+            self.dispatcher = Dispatcher(s, self.writer, self.reader, self.relay, self.metrics)
+            self.tasks.append(asyncio.create_task(self._supervise(self.dispatcher.run(), "dispatcher")))
+        else:
+            log.warning("no_upstream_configured", hint="set [server] url; intake still queues messages")
+        self.tasks.append(asyncio.create_task(self._supervise(self._maintenance(), "maintenance")))
+        self.tasks.append(asyncio.create_task(self._supervise(self._watchdog(), "watchdog")))
+        self.notifier.ready(status=self._status_line())
+        log.info(
+            "agent_started",
+            agent_id=s.agent.id,
+            version=__version__,
+            channels=[c.name for c in s.channels],
+            db=str(s.db_path),
+            upstream=s.server.url,
+        )
+
+    async def _supervise(self, coro: Any, name: str) -> None:
+        """A crashed side task stops the service instead of dying silently (procrastinate)."""
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("task_crashed", task=name)
+            self.exit_code = 1
+            self.stop_requested.set()
+
+    exit_code = 0
+
+    def _status_line(self) -> str:
+        up = "upstream connected" if self.dispatcher is not None and self.dispatcher.connected else (
+            "no upstream configured" if not self.settings.server.url else "upstream not connected")
+        held = ", lease held" if self.dispatcher is not None and self.dispatcher.lease_held else ""
+        return f"listening on {len(self.listeners)} channel(s); {up}{held}"
+
+    async def _watchdog(self) -> None:
+        interval = self.notifier.watchdog_interval()
+        period = min(interval / 2, 10.0) if interval else 10.0
+        last_status = ""
+        while True:
+            if interval:
+                self.notifier.watchdog()
+            status = self._status_line()
+            if status != last_status:
+                self.notifier.status(status)
+                last_status = status
+            await asyncio.sleep(period)
+
+    async def _maintenance(self) -> None:
+        """WAL checkpoint when dirty and the retention sweep, in every process (not lease-bound)."""
+        assert self.writer is not None and self.reader is not None
+        q = self.settings.queue
+        last_retention = 0.0
+        last_optimize = time.time()
+        wal = self.settings.db_path.with_name(self.settings.db_path.name + "-wal")
+        while True:
+            await asyncio.sleep(min(q.checkpoint_interval, q.retention_interval))
+            now = time.time()
+            if now - last_retention >= q.retention_interval:
+                last_retention = now
+                try:
+                    purged = await self.writer.run(lambda s: s.purge_retention(time.time()) + s.enforce_size_cap())
+                    if purged:
+                        log.info("retention_purged", rows=purged)
+                except StorageError as exc:
+                    log.warning("retention_failed", error=str(exc))
+            with contextlib.suppress(OSError):
+                if wal.stat().st_size > 0:
+                    await self.reader.run(lambda s: s.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone())
+            if now - last_optimize >= 3600:
+                last_optimize = now
+                await self.reader.run(lambda s: s.conn.execute("PRAGMA optimize").fetchall())
+
+    # -- stop ----------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("shutdown_requested", signal=sig.name, budget_s=self.settings.agent.shutdown_budget)
+            self.stop_requested.set()
+        else:
+            log.warning("fast_shutdown_requested", signal=sig.name)
+            self.force_stop.set()
+
+    async def _within(self, aw: Any, deadline: float) -> bool:
+        """Await ``aw`` until the deadline or a forced stop; True when it finished."""
+        task = asyncio.ensure_future(aw)
+        forced = asyncio.ensure_future(self.force_stop.wait())
+        try:
+            await asyncio.wait({task, forced}, timeout=max(0.0, deadline - time.monotonic()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            forced.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            return False
+        return True
+
+    async def _connections_closed(self) -> None:
+        while any(lst.connections for lst in self.listeners):
+            await asyncio.sleep(0.02)
+
+    async def shutdown(self) -> None:
+        s = self.settings
+        budget = s.agent.shutdown_budget
+        deadline = time.monotonic() + budget
+        self.notifier.stopping(status="stopping: finishing messages being read")
+        if self.handover is not None:
+            await self.handover.close()
+        for listener in self.listeners:
+            listener.stop_accepting()
+        for listener in self.listeners:
+            listener.close_connections()
+        # Connections finish the frame they are reading and their ACKs,
+        # including application ACKs they wait for (bounded by the budget,
+        # keeping a third of it for the dispatcher and the database).
+        drained = await self._within(self._connections_closed(), deadline - budget / 3)
+        if not drained:
+            log.warning("connections_aborted_at_budget", open=sum(len(lst.connections) for lst in self.listeners))
+        for listener in self.listeners:
+            listener.abort_connections()
+        if self.dispatcher is not None:
+            await self._within(self.dispatcher.stop(deadline=deadline - 1.0, force=self.force_stop),
+                               deadline - 0.5)
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.relay is not None:
+            await self.relay.close()
+        if self.admin is not None:
+            self.admin.stop()
+        await asyncio.get_running_loop().run_in_executor(None, self._close_database)
+        log.info("agent_stopped", exit_code=self.exit_code)
+
+    def _close_database(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.reader is not None:
+            with contextlib.suppress(Exception):
+                self.reader.store.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            self.reader.close()
+
+
+async def run_agent(settings: Settings) -> int:
+    agent = Agent(settings)
+    agent.install_signal_handlers()
+    try:
+        await agent.start()
+    except BaseException:
+        await agent.shutdown()
+        raise
+    await agent.stop_requested.wait()
+    await agent.shutdown()
+    return agent.exit_code
+
