@@ -1,0 +1,199 @@
+"""Logging setup: JSON lines on stderr, stdlib routed in, context bound, bodies never logged."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from agent import logs
+from agent.logs import bind, configure_logging
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """Undo configure_logging: structlog defaults, the root handler and level."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()
+    if logs._stdlib_handler is not None:
+        root.removeHandler(logs._stdlib_handler)
+        logs._stdlib_handler = None
+    root.setLevel(level)
+
+
+def lines(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+class TestJson:
+    def test_one_json_object_per_line(self) -> None:
+        """Each event is one JSON line with event, level and an ISO UTC timestamp."""
+        out = io.StringIO()
+        configure_logging("info", "json", out)
+        log = structlog.get_logger("agent.test")
+        log.info("message_committed", row_id=7)
+        log.warning("frame_too_large", size=9)
+        first, second = lines(out)
+        assert first["event"] == "message_committed"
+        assert first["level"] == "info"
+        assert first["row_id"] == 7
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z", first["timestamp"])
+        assert second["level"] == "warning"
+
+    def test_level_filters(self) -> None:
+        """Events below the configured level are dropped."""
+        out = io.StringIO()
+        configure_logging("warning", "json", out)
+        log = structlog.get_logger()
+        log.info("not_shown")
+        log.debug("not_shown_either")
+        log.error("shown")
+        assert [e["event"] for e in lines(out)] == ["shown"]
+
+    def test_debug_level(self) -> None:
+        """At debug, debug events are written."""
+        out = io.StringIO()
+        configure_logging("DEBUG", "json", out)
+        structlog.get_logger().debug("lease_heartbeat")
+        assert lines(out)[0]["level"] == "debug"
+
+    def test_exceptions_are_formatted(self) -> None:
+        """log.exception() carries the formatted traceback in the JSON line."""
+        out = io.StringIO()
+        configure_logging("info", "json", out)
+        try:
+            raise ZeroDivisionError("boom")
+        except ZeroDivisionError:
+            structlog.get_logger().exception("writer_failed")
+        (entry,) = lines(out)
+        assert entry["level"] == "error"
+        assert "ZeroDivisionError: boom" in entry["exception"]
+
+    def test_default_stream_is_stderr(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """Without a stream, logs go to stderr, never stdout (stdout is for command output)."""
+        configure_logging()
+        structlog.get_logger().info("agent_started")
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert json.loads(captured.err)["event"] == "agent_started"
+
+
+class TestContext:
+    def test_bind_adds_ids_inside_the_block_only(self) -> None:
+        """bind() adds ids to every line inside the with-block and removes them after."""
+        out = io.StringIO()
+        configure_logging("info", "json", out)
+        log = structlog.get_logger()
+        with bind(channel="adt", peer="10.1.2.3:5000"):
+            log.info("connection_opened")
+            with bind(control_id="MSG1"):
+                log.info("message_committed")
+        log.info("connection_closed")
+        opened, committed, closed = lines(out)
+        assert (opened["channel"], opened["peer"]) == ("adt", "10.1.2.3:5000")
+        assert committed["control_id"] == "MSG1"
+        assert committed["channel"] == "adt"
+        assert "channel" not in closed
+
+    def test_capture_logs_sees_bound_context(self) -> None:
+        """Tests can assert on events with structlog.testing.capture_logs."""
+        configure_logging("info", "json", io.StringIO())
+        with (
+            capture_logs(processors=[structlog.contextvars.merge_contextvars]) as captured,
+            bind(channel="lab"),
+        ):
+            structlog.get_logger().info("message_committed", row_id=1)
+        assert captured == [
+            {"event": "message_committed", "row_id": 1, "channel": "lab", "log_level": "info"}
+        ]
+
+
+class TestBodiesNeverLogged:
+    @pytest.mark.parametrize("key", ["body", "raw", "payload"])
+    def test_body_keys_are_redacted(self, key: str) -> None:
+        """A body/raw/payload value never reaches the output, whatever a caller passes."""
+        out = io.StringIO()
+        configure_logging("info", "json", out)
+        structlog.get_logger().info("oops", **{key: "PID|1||12345^^^HOSP||DOE^JOHN"})
+        text = out.getvalue()
+        assert "DOE^JOHN" not in text
+        assert lines(out)[0][key] == "<redacted>"
+
+
+class TestStdlib:
+    def test_stdlib_warnings_are_routed(self) -> None:
+        """stdlib warnings (websockets) come out as JSON lines in the same stream."""
+        out = io.StringIO()
+        configure_logging("info", "json", out)
+        logging.getLogger("websockets.client").warning("connection %s failed", "x")
+        (entry,) = lines(out)
+        assert entry["event"] == "connection x failed"
+        assert entry["logger"] == "websockets.client"
+        assert entry["level"] == "warning"
+        assert "timestamp" in entry
+
+    def test_stdlib_below_warning_is_dropped(self) -> None:
+        """stdlib info/debug stay out, even at debug (websockets debug logs frame contents)."""
+        out = io.StringIO()
+        configure_logging("debug", "json", out)
+        logging.getLogger("websockets.client").info("frame body")
+        logging.getLogger("websockets.client").debug("frame body")
+        assert out.getvalue() == ""
+
+    def test_stdlib_exceptions_are_formatted(self) -> None:
+        """A stdlib logger.exception() carries its traceback."""
+        out = io.StringIO()
+        configure_logging("info", "json", out)
+        try:
+            raise ValueError("bad")
+        except ValueError:
+            logging.getLogger("asyncio").exception("task failed")
+        assert "ValueError: bad" in lines(out)[0]["exception"]
+
+    def test_reconfigure_replaces_the_handler(self) -> None:
+        """Configuring twice leaves one handler, writing to the newest stream."""
+        first, second = io.StringIO(), io.StringIO()
+        configure_logging("info", "json", first)
+        configure_logging("info", "json", second)
+        logging.getLogger("x").error("once")
+        assert first.getvalue() == ""
+        assert len(lines(second)) == 1
+
+
+class TestConsole:
+    def test_console_format_is_readable(self) -> None:
+        """The console format writes human-readable lines, exceptions included."""
+        out = io.StringIO()
+        configure_logging("info", "console", out)
+        try:
+            raise KeyError("k")
+        except KeyError:
+            structlog.get_logger().exception("writer_failed", channel="adt")
+        text = out.getvalue()
+        assert "writer_failed" in text
+        assert "channel=adt" in text
+        assert "KeyError" in text
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(text.splitlines()[0])
+
+
+class TestArguments:
+    def test_unknown_level(self) -> None:
+        """An unknown level is refused."""
+        with pytest.raises(ValueError, match="unknown log level"):
+            configure_logging("verbose")
+
+    def test_unknown_format(self) -> None:
+        """An unknown format is refused."""
+        with pytest.raises(ValueError, match="unknown log format"):
+            configure_logging("info", "xml")
