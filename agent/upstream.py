@@ -80,15 +80,28 @@ class LinkSettings:
 class SessionClosed(LocalError):
     """The session's connection ended; raised to every transmit still waiting.
 
-    ``code`` is the close code the server sent (1006 when no Close frame came,
-    RFC 6455 section 7.1.5; ``None`` when there never was a connection), so the
-    dispatcher can apply the 1009 rule of SPEC 5.
+    ``code``/``reason`` come from the Close frame of whoever closed first: the
+    server's when ``by_server``, else ours; 1006 when no Close frame was
+    exchanged (RFC 6455 section 7.1.5); ``None`` when there never was a
+    connection. Use :attr:`too_big` for SPEC 5's 1009 rule: only a 1009 the
+    *server* sent blames our largest transmit (a 1009 we sent means the
+    server's frame was too big for us).
     """
 
-    def __init__(self, code: int | None, reason: str = "") -> None:
+    def __init__(self, code: int | None, reason: str = "", *, by_server: bool = False) -> None:
         super().__init__(f"upstream session closed (code {code}: {reason or 'no reason'})")
         self.code = code
         self.reason = reason
+        self.by_server = by_server
+
+    @property
+    def too_big(self) -> bool:
+        """The server closed with 1009: a frame we sent exceeded its limit (SPEC 5)."""
+        return self.by_server and self.code == MESSAGE_TOO_BIG
+
+    def copy(self) -> SessionClosed:
+        """A fresh exception with the same facts (one instance per raise)."""
+        return SessionClosed(self.code, self.reason, by_server=self.by_server)
 
 
 class TransmitTooLarge(ProtocolError):
@@ -196,7 +209,7 @@ class Session:
         if size > self._max_frame_bytes:
             raise TransmitTooLarge(size, self._max_frame_bytes)
         if self._close_info is not None:
-            raise SessionClosed(self._close_info.code, self._close_info.reason)
+            raise self._close_info.copy()
         if t.id in self._waiters:
             raise TransmitInProgress(f"transmit {t.id} is already waiting on this session")
         future: asyncio.Future[TransmitResponse] = asyncio.get_running_loop().create_future()
@@ -283,17 +296,24 @@ class Session:
     def _mark_closed(self) -> None:
         if self._close_info is not None:
             return
-        # close_code is the code of the Close frame received, else 1006.
-        code = self._ws.close_code
-        reason = self._ws.close_reason or ""
-        self._close_info = SessionClosed(ABNORMAL_CLOSURE if code is None else code, reason)
+        self._close_info = _close_facts(self._ws)
         for _attempt, future in self._waiters.values():
             if not future.done():
-                future.set_exception(SessionClosed(self._close_info.code, reason))
+                future.set_exception(self._close_info.copy())
         self._waiters.clear()
         self._closed.set()
         if self._on_closed is not None:
             self._on_closed(self)
+
+
+def _close_facts(ws: ClientConnection) -> SessionClosed:
+    """Who closed first and with which code (RFC 6455 section 7.1.5 / 7.4)."""
+    p = ws.protocol
+    if p.close_rcvd is not None and (p.close_sent is None or p.close_rcvd_then_sent):
+        return SessionClosed(p.close_rcvd.code, p.close_rcvd.reason, by_server=True)
+    if p.close_sent is not None:
+        return SessionClosed(p.close_sent.code, p.close_sent.reason, by_server=False)
+    return SessionClosed(ABNORMAL_CLOSURE, "connection lost without a Close frame")
 
 
 def _ssl_context(settings: LinkSettings) -> ssl.SSLContext | None:

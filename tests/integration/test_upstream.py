@@ -371,6 +371,7 @@ class TestConnectionLoss:
                         await waiting
                     assert excinfo.value.code == 1009
                     assert excinfo.value.reason == "too big"
+                    assert excinfo.value.by_server and excinfo.value.too_big
                     info = await session.wait_closed()
                     assert info.code == 1009 and session.closed
                     with pytest.raises(SessionClosed):
@@ -388,8 +389,52 @@ class TestConnectionLoss:
                     session = await link.session()
                     with pytest.raises(SessionClosed) as excinfo:
                         await session.transmit(transmit(body=BODY + "X" * 10_000))
-                    assert excinfo.value.code == 1009
+                    assert excinfo.value.code == 1009 and excinfo.value.too_big
             assert server.received == []
+
+        run(scenario())
+
+    def test_oversized_server_frame_is_not_blamed_on_our_transmit(self) -> None:
+        """A server frame over our limit closes with our 1009, which too_big does not count."""
+
+        async def bloated(ws: ServerConnection) -> None:
+            await ws.recv()  # hello
+            await ws.send(json.dumps({"type": "welcome", "replay": True}))
+            await ws.recv()  # transmit
+            await ws.send(json.dumps({"type": "error", "message": "x" * 5000}))
+            await ws.wait_closed()
+
+        async def scenario() -> None:
+            async with serve(bloated, "127.0.0.1", 0) as server:
+                port = server.sockets[0].getsockname()[1]
+                link = UpstreamLink(settings(port, max_frame_bytes=2048))
+                async with running(link):
+                    session = await link.session()
+                    with pytest.raises(SessionClosed) as excinfo:
+                        await session.transmit(transmit())
+            assert excinfo.value.code == 1009
+            assert not excinfo.value.by_server and not excinfo.value.too_big
+
+        run(scenario())
+
+    def test_dropped_tcp_connection_reports_1006(self) -> None:
+        """A connection lost without a Close frame reports code 1006 (RFC 6455 7.1.5)."""
+
+        async def dropper(ws: ServerConnection) -> None:
+            await ws.recv()  # hello
+            await ws.send(json.dumps({"type": "welcome", "replay": True}))
+            await ws.recv()  # transmit
+            ws.transport.abort()
+
+        async def scenario() -> None:
+            async with serve(dropper, "127.0.0.1", 0) as server:
+                port = server.sockets[0].getsockname()[1]
+                link = UpstreamLink(settings(port))
+                async with running(link):
+                    session = await link.session()
+                    with pytest.raises(SessionClosed) as excinfo:
+                        await session.transmit(transmit())
+            assert excinfo.value.code == 1006 and not excinfo.value.too_big
 
         run(scenario())
 
