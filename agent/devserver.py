@@ -19,6 +19,7 @@ import hmac
 import json
 import os
 import signal
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
 from http import HTTPStatus
@@ -91,6 +92,7 @@ class DevServer:
         decide: Decide | None = None,
         max_size: int = DEFAULT_MAX_SIZE,
         hello_timeout: float = 10.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.token = token
         self.replay = replay
@@ -98,6 +100,7 @@ class DevServer:
         self.decide = decide
         self.max_size = max_size
         self.hello_timeout = hello_timeout
+        self.ssl_context = ssl_context  # wss:// for TLS tests; the CLI serves plain ws://
         self.received: list[Transmit] = []  # every transmit, arrival order, resends too
         self.answered: dict[str, TransmitResponse] = {}  # 2xx answers by id (replay)
         self.sent: list[TransmitResponse] = []  # every transmit_response written, in order
@@ -120,6 +123,7 @@ class DevServer:
             process_request=self._authorize,
             max_size=self.max_size,
             compression=None,
+            ssl=self.ssl_context,
         )
         log.info("dev_server_listening", host=host, port=self.port, replay=self.replay)
 

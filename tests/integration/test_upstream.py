@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Callable, Coroutine, MutableMapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -521,5 +525,95 @@ class TestProxy:
             async with dev_server() as server:
                 with pytest.raises(OSError):
                     await ws_connect(f"ws://127.0.0.1:{server.port}/", open_timeout=2)
+
+        run(scenario())
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not available")
+    d = tmp_path_factory.mktemp("pki")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+             "-subj", "/CN=hl7-agent test CA", cwd=d)  # fmt: skip
+    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1\n", encoding="ascii")
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n", encoding="ascii")
+    for name in ("server", "client"):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN={name}", cwd=d)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
+                 "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+    return d
+
+
+def server_tls(pki: Path, *, require_client_cert: bool = False) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pki / "server.pem", pki / "server.key")
+    if require_client_cert:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(pki / "ca.pem")
+    return context
+
+
+class TestTls:
+    def test_wss_with_ca_file(self, pki: Path) -> None:
+        """wss:// verifies the server against ca_file and then works like ws://."""
+
+        async def scenario() -> None:
+            async with dev_server(ssl_context=server_tls(pki)) as server:
+                link = UpstreamLink(
+                    settings(
+                        server.port,
+                        url=f"wss://127.0.0.1:{server.port}/agent",
+                        ca_file=str(pki / "ca.pem"),
+                    )
+                )
+                async with running(link):
+                    response = await (await link.session()).transmit(transmit())
+                assert response.status == 200
+
+        run(scenario())
+
+    def test_unknown_ca_is_refused_and_retried(self, pki: Path) -> None:
+        """Without our CA the certificate fails verification; the link logs and retries."""
+
+        async def scenario() -> None:
+            async with dev_server(ssl_context=server_tls(pki)) as server:
+                with capture_logs() as logs:
+                    link = UpstreamLink(
+                        settings(server.port, url=f"wss://127.0.0.1:{server.port}/agent")
+                    )
+                    async with running(link):
+                        await until(lambda: len(events(logs, "upstream_connect_failed")) >= 2)
+                        assert not link.connected
+                assert "CERTIFICATE_VERIFY_FAILED" in (link.last_error or "")
+                assert server.connections == 0
+
+        run(scenario())
+
+    def test_client_certificate_is_presented(self, pki: Path) -> None:
+        """client_cert / client_key are presented to a server that requires them."""
+
+        async def scenario() -> None:
+            tls = server_tls(pki, require_client_cert=True)
+            async with dev_server(ssl_context=tls) as server:
+                link = UpstreamLink(
+                    settings(
+                        server.port,
+                        url=f"wss://127.0.0.1:{server.port}/agent",
+                        ca_file=str(pki / "ca.pem"),
+                        client_cert=str(pki / "client.pem"),
+                        client_key=str(pki / "client.key"),
+                    )
+                )
+                async with running(link):
+                    assert (await link.session()).replay is True
 
         run(scenario())
