@@ -260,7 +260,11 @@ class DevServer:
             # SPEC 5: a replayed answer carries the current attempt.
             response = replace(remembered, attempt=t.attempt)
         else:
-            answer = await self.decide(t) if self.decide is not None else default_answer(t)
+            try:
+                answer = await self.decide(t) if self.decide is not None else default_answer(t)
+            except Exception:  # a broken script answers 500, visibly
+                log.exception("dev_server_decide_failed", id=t.id, attempt=t.attempt)
+                answer = Answer(500)
             if answer is None:
                 return  # scripted silence: the agent's response timeout must cope
             if answer.delay > 0:

@@ -192,6 +192,23 @@ class TestProtocol:
 
         run(scenario())
 
+    def test_failing_decide_answers_500(self) -> None:
+        """A decide script that raises is logged and answered 500 (transient), not swallowed."""
+
+        async def broken(t: Transmit) -> Any:
+            raise RuntimeError("script bug")
+
+        async def scenario() -> None:
+            with capture_logs() as logs:
+                async with dev_server(decide=broken) as server, client(server) as ws:
+                    await hello(ws)
+                    await ws.send(transmit().to_json())
+                    response = parse_server_frame(await ws.recv())
+            assert isinstance(response, TransmitResponse) and response.status == 500
+            assert events(logs, "dev_server_decide_failed")
+
+        run(scenario())
+
     def test_counts_concurrent_sessions(self) -> None:
         """connections and max_concurrent_sessions_seen count overlapping agents."""
 
