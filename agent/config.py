@@ -785,8 +785,14 @@ def _validate(
                 parts[key] = channels
             elif key in _SECTIONS:
                 parts[key] = _SECTIONS[key].model_validate(value, context=context)
+            elif key == "channels":
+                parts[key] = value  # wrong shape: Settings reports it
             else:
-                parts[key] = value  # unknown section or wrong shape: Settings reports it
+                # Reported here: Settings(**parts) would take "_env_file" and the like
+                # as pydantic-settings arguments instead of unknown keys.
+                hint = _suggest(key, list(Settings.model_fields))
+                origin = f" (file {path})" if path is not None else ""
+                raise ConfigError(f"config error: {key}: is not a known section{hint}{origin}")
         except ValidationError as exc:
             raise ConfigError(_describe(exc, path, sources, prefix)) from None
     try:

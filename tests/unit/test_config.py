@@ -264,6 +264,11 @@ class TestUnknownKeys:
         message = load_error(write(tmp_path, '[serverr]\nurl = "ws://x/"\n'))
         assert "serverr: is not a known section (did you mean server?)" in message
 
+    def test_settings_arguments_are_not_keys(self, tmp_path: Path) -> None:
+        """pydantic-settings constructor arguments in the file are unknown keys, not options."""
+        message = load_error(write(tmp_path, '_secrets_dir = "/tmp"\n'))
+        assert "_secrets_dir: is not a known section" in message
+
     def test_unknown_key_in_a_channel_table(self, tmp_path: Path) -> None:
         """An unknown key in a [[channels]] table names the channel index."""
         text = '[[channels]]\nname = "adt"\nlisten = "0.0.0.0:2575"\nacks = "commit"\n'
