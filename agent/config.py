@@ -849,7 +849,9 @@ def _describe(
         message = f"is not a known {what}{_suggest(str(loc[-1]), known)}"
     elif first["type"] == "missing":
         message = "is required"
-    elif first["type"] not in ("value_error", "assertion_error") and loc[-1] not in _SECRET_KEYS:
+    elif (
+        first["type"] not in ("value_error", "assertion_error") and not set(loc[-1:]) & _SECRET_KEYS
+    ):
         given = repr(first.get("input"))
         message = f"{message} (got {given[:60]})"
     if not dotted:
