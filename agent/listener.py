@@ -51,6 +51,8 @@ class IntakeContext:
     relay: AckRelay
     application_ack_timeout: float = 30.0
     metrics: AgentMetrics | None = None
+    #: Called with the channel name after a row was committed (wakes the dispatcher).
+    on_committed: Callable[[str], None] | None = None
 
 
 @dataclass
@@ -386,8 +388,11 @@ class Connection:
             self._audit(AuditItem(name, self.remote, payload, "100", "no MSH segment", received_at=received_at))
             return Reply()
         except MalformedMsh as exc:
-            return self._reject(exc.partial, payload, Outcome.MALFORMED, exc.error_code, exc.text,
-                                received_at, codec=self._codec_or_default(exc.partial))
+            if exc.partial is not None and exc.partial.is_ack:
+                env = exc.partial  # an inbound ACK is never answered, even a sloppy one
+            else:
+                return self._reject(exc.partial, payload, Outcome.MALFORMED, exc.error_code, exc.text,
+                                    received_at, codec=self._codec_or_default(exc.partial))
         if self.ctx.metrics is not None:
             self.ctx.metrics.message_received(name)
         if env.is_ack:
@@ -443,6 +448,8 @@ class Connection:
             mlog.info("message_committed", seq=result.seq)
             if self.ctx.metrics is not None:
                 self.ctx.metrics.message_committed(item.channel)
+            if self.ctx.on_committed is not None:
+                self.ctx.on_committed(item.channel)
             return await self._final_acks(env, codec, result.message_id, item.ack_mode,
                                           commit_ack=item.commit_ack, app_ack=None)
         # duplicate: replay the final ACK byte for byte (SPEC 4 and 6)

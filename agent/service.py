@@ -222,6 +222,7 @@ class Agent:
             from agent.dispatcher import Dispatcher  # the dispatcher pulls in websockets
 
             self.dispatcher = Dispatcher(s, self.writer, self.reader, self.relay, self.metrics)
+            ctx.on_committed = self.dispatcher.wake
             self.tasks.append(asyncio.create_task(self._supervise(self.dispatcher.run(), "dispatcher")))
         else:
             log.warning("no_upstream_configured", hint="set [server] url; intake still queues messages")

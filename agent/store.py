@@ -97,6 +97,7 @@ class HeadRow:
     body: bytes
     received_at: float
     ack_mode: AckMode
+    redrive_base: int = 0
 
 
 @dataclass(frozen=True)

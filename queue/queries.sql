@@ -79,7 +79,7 @@ WHERE state = 'claimed'
 
 -- name: channel_head
 SELECT id, channel, seq, state, attempts, next_attempt_at, claim_epoch, remote, control_id,
-       message_type, encoding, body, received_at, ack_mode
+       message_type, encoding, body, received_at, ack_mode, redrive_base
 FROM messages
 WHERE channel = :channel AND state IN ('queued', 'claimed', 'inflight')
 ORDER BY seq

@@ -1,0 +1,481 @@
+"""The lease-holding dispatcher: per-channel FIFO over one WebSocket (SPEC 5 and 6).
+
+One worker per channel takes the channel's head row — the lowest live seq —
+and walks it queued → claimed → inflight → settled, one row at a time, so at
+most one message per channel is ever in flight and order is strict. A row
+waiting out its backoff stays the head and blocks its channel. Channels run
+independently over the one shared session.
+
+Only the lease holder dispatches; every write is fenced on the lease epoch
+(the store raises LeaseLost when the fence fails), and ``inflight`` is
+committed before the frame is written, so a crash can never hide a sent
+frame as unsent. Recovery (after a crash, a response timeout or a lost
+connection): an ``inflight`` row is resent with the same id when the server
+announced ``replay``; otherwise it goes to ``failed`` for review, or back to
+``queued`` on a ``guaranteed_delivery`` channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import structlog
+
+from agent import __version__, acks, envelope
+from agent.errors import HL7Error, LeaseLost, StorageError
+from agent.protocol import Transmit, TransmitResponse, classify_status, max_frame_bytes, rfc3339_utc
+from agent.relay import AckRelay
+from agent.retry import attempts_exhausted, retry_delay
+from agent.store import HeadRow, LeaseHolder, SqliteStore
+from agent.upstream import LinkSettings, Session, SessionClosed, TransmitTooLarge, UpstreamLink
+from agent.writer import Reader, Writer
+
+if TYPE_CHECKING:
+    from agent.config import ChannelSettings, Settings
+    from agent.metrics import AgentMetrics
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+#: How often an idle channel looks for new rows written by another process.
+IDLE_POLL_SECONDS = 0.25
+
+
+@dataclass
+class _InFlight:
+    message_id: str
+    size: int
+    session: Session
+
+
+class _Stopping(Exception):
+    """Internal: the dispatcher was asked to stop while a worker waited."""
+
+
+class Dispatcher:
+    """Holds (or waits for) the lease and runs the channel workers."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        writer: Writer,
+        reader: Reader,
+        relay: AckRelay | None,
+        metrics: AgentMetrics | None = None,
+        *,
+        link: UpstreamLink | None = None,
+    ) -> None:
+        self.settings = settings
+        self.writer = writer
+        self.reader = reader
+        self.relay = relay
+        self.metrics = metrics
+        self.me = LeaseHolder.for_this_process(settings.agent.id)
+        self.epoch: int | None = None
+        self.lease_held = False
+        self.stopping = asyncio.Event()
+        self._wake: dict[str, asyncio.Event] = {c.name: asyncio.Event() for c in settings.channels}
+        self._inflight: dict[str, _InFlight] = {}
+        self._too_big_victims: dict[int, str | None] = {}
+        self._sending: set[str] = set()
+        server = settings.server
+        largest = max((c.max_message_bytes for c in settings.channels), default=1_048_576)
+        self.link = link or UpstreamLink(
+            LinkSettings(
+                url=server.url or "",
+                token=server.token_value(),
+                agent_id=settings.agent.id,
+                version=__version__,
+                connect_timeout=server.connect_timeout,
+                ping_interval=server.ping_interval,
+                ping_timeout=server.ping_interval,  # a pong slower than a ping period means a dead link
+                max_frame_bytes=max_frame_bytes(largest),
+                proxy=server.proxy,
+                ca_file=str(server.ca_file) if server.ca_file else None,
+                client_cert=str(server.client_cert) if server.client_cert else None,
+                client_key=str(server.client_key) if server.client_key else None,
+            ),
+            on_connected_change=self._connected_changed,
+        )
+        self._link_task: asyncio.Task[None] | None = None
+        self.log = log.bind(holder=self.me.holder)
+
+    # -- status --------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self.link.connected
+
+    def _connected_changed(self, up: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.set_upstream_connected(up)
+        if up:
+            for event in self._wake.values():
+                event.set()
+
+    def upstream_state(self) -> dict[str, Any]:
+        session = self.link.current()
+        return {
+            "configured": True,
+            "connected": session is not None,
+            "url": self.settings.server.url,
+            "replay": session.replay if session is not None else None,
+            "last_error": self.link.last_error,
+        }
+
+    def wake(self, channel: str) -> None:
+        """Intake in this process committed a row for ``channel``."""
+        event = self._wake.get(channel)
+        if event is not None:
+            event.set()
+
+    # -- lease loop ----------------------------------------------------------
+
+    async def run(self) -> None:
+        self._link_task = asyncio.create_task(self.link.run(), name="upstream-link")
+        d = self.settings.dispatch
+        try:
+            while not self.stopping.is_set():
+                epoch = await self._store(lambda s: s.try_acquire_lease(self.me, d.lease_ttl))
+                if epoch is None:
+                    await self._sleep(d.lease_acquire_interval)
+                    continue
+                self.epoch = epoch
+                self._set_lease_held(True)
+                self.log.info("lease_acquired", epoch=epoch)
+                try:
+                    recovered = await self._store(lambda s: s.recover_claimed(self.me.holder, epoch))
+                    if recovered:
+                        self.log.info("claimed_rows_requeued", rows=recovered)
+                    await self._dispatch_under_lease(epoch)
+                except* LeaseLost:
+                    self.log.warning("lease_lost", epoch=epoch)
+                finally:
+                    self._set_lease_held(False)
+        finally:
+            await self.link.close()
+            if self._link_task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._link_task
+
+    def _set_lease_held(self, held: bool) -> None:
+        self.lease_held = held
+        if self.metrics is not None:
+            self.metrics.set_lease_held(held)
+
+    async def _dispatch_under_lease(self, epoch: int) -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._heartbeat(epoch), name="lease-heartbeat")
+            for channel in self.settings.channels:
+                group.create_task(self._channel_worker(channel, epoch), name=f"dispatch-{channel.name}")
+
+    async def _heartbeat(self, epoch: int) -> None:
+        d = self.settings.dispatch
+        renewed_at = time.monotonic()
+        while not self.stopping.is_set():
+            await self._sleep(d.lease_heartbeat)
+            if self.stopping.is_set():
+                return
+            try:
+                await self._store(lambda s: s.renew_lease(self.me.holder, epoch, d.lease_ttl))
+                renewed_at = time.monotonic()
+            except StorageError as exc:
+                # Fencing keeps rows safe either way; stop before the lease
+                # could have expired under us.
+                self.log.warning("lease_renew_failed", error=str(exc))
+                if time.monotonic() - renewed_at > d.lease_ttl - d.lease_heartbeat:
+                    raise LeaseLost("could not renew the lease before its expiry") from exc
+
+    async def stop(self, deadline: float, force: asyncio.Event | None = None) -> None:
+        """Stop claiming, let in-flight transmits settle until ``deadline``, release the lease."""
+        self.stopping.set()
+        for event in self._wake.values():
+            event.set()
+        budget_end = min(deadline, time.monotonic() + self.settings.server.response_timeout)
+        while self._sending and time.monotonic() < budget_end and not (force and force.is_set()):
+            await asyncio.sleep(0.02)
+        if self._sending:
+            self.log.warning("inflight_unanswered_at_stop", rows=len(self._sending))
+        epoch = self.epoch
+        if self.lease_held and epoch is not None:
+            with contextlib.suppress(Exception):
+                await self._store(lambda s: s.recover_claimed(self.me.holder, epoch))
+            with contextlib.suppress(Exception):
+                released = await self._store(lambda s: s.release_lease(self.me.holder, epoch))
+                if released:
+                    self.log.info("lease_released", epoch=epoch)
+        self._set_lease_held(False)
+
+    # -- helpers -------------------------------------------------------------
+
+    async def _store(self, fn: Callable[[SqliteStore], T]) -> T:
+        return await self.writer.run(fn)
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), max(0.0, seconds))
+
+    async def _until_stopping(self, aw: Awaitable[T]) -> T:
+        """Await ``aw`` unless stop() comes first."""
+        task = asyncio.ensure_future(aw)
+        stopper = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            raise _Stopping
+        return task.result()
+
+    async def _idle(self, channel: str, seconds: float) -> None:
+        """Wait for new rows (in-process wake-up, else poll: another process may take intake)."""
+        event = self._wake[channel]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), seconds)
+        event.clear()
+
+    # -- the channel worker --------------------------------------------------
+
+    async def _channel_worker(self, channel: ChannelSettings, epoch: int) -> None:
+        wlog = self.log.bind(channel=channel.name)
+        name = channel.name
+        while not self.stopping.is_set():
+            try:
+                head, paused = await self.reader.run(
+                    lambda s: (s.channel_head(name), name in s.paused_channels())
+                )
+            except StorageError as exc:
+                wlog.warning("dispatch_read_failed", error=str(exc))
+                await self._sleep(1.0)
+                continue
+            if head is None:
+                await self._idle(name, IDLE_POLL_SECONDS)
+                continue
+            if paused and head.state == "queued":
+                await self._idle(name, 1.0)
+                continue
+            now = time.time()
+            if head.state == "queued":
+                if head.next_attempt_at > now:
+                    await self._idle(name, min(head.next_attempt_at - now, 1.0))
+                    continue
+                try:
+                    claimed = await self._store(lambda s: s.claim(self.me.holder, epoch, head.id))
+                except StorageError as exc:
+                    if isinstance(exc, LeaseLost):
+                        raise
+                    wlog.warning("dispatch_claim_failed", error=str(exc))
+                    await self._sleep(1.0)
+                    continue
+                if not claimed:
+                    continue
+            try:
+                session = await self._until_stopping(self.link.session())
+            except _Stopping:
+                return
+            if self.stopping.is_set():
+                return
+            try:
+                await self._dispatch_head(channel, epoch, head, session, wlog)
+            except StorageError as exc:
+                if isinstance(exc, LeaseLost):
+                    raise
+                # A busy or failing disk must not kill dispatch: rows are safe
+                # where they stand; look at the head again shortly.
+                wlog.warning("dispatch_storage_error", error=str(exc))
+                await self._sleep(1.0)
+
+    def _transmit_for(self, channel: ChannelSettings, head: HeadRow, attempt: int) -> Transmit:
+        text = envelope.decode_message(head.body, head.encoding)
+        if channel.assign_sequence_numbers:
+            # SPEC 5: MSH-13 of the forwarded text is seq; the stored bytes stay as received.
+            text = envelope.set_msh_field(text, 13, str(head.seq))
+        return Transmit(
+            id=head.id,
+            channel=head.channel,
+            control_id=head.control_id,
+            message_type=head.message_type,
+            seq=head.seq,
+            attempt=attempt,
+            received_at=rfc3339_utc(datetime.fromtimestamp(head.received_at, UTC)),
+            remote=head.remote,
+            body=text,
+            encoding=head.encoding,
+        )
+
+    async def _dispatch_head(
+        self, channel: ChannelSettings, epoch: int, head: HeadRow, session: Session, wlog: Any
+    ) -> None:
+        holder = self.me.holder
+        mlog = wlog.bind(id=head.id, control_id=head.control_id, seq=head.seq)
+        if head.state == "inflight" and not session.replay:
+            # An inflight row we cannot prove unsent and the server cannot dedupe.
+            await self._ambiguous(channel, epoch, head, head.attempts, "server does not replay", mlog)
+            return
+        try:
+            probe = self._transmit_for(channel, head, head.attempts + 1)
+        except (HL7Error, ValueError, LookupError) as exc:
+            await self._give_up(channel, epoch, head, head.attempts, "rejected", "102",
+                                f"stored message cannot be decoded as {head.encoding}: {exc}", mlog)
+            return
+        self._sending.add(head.id)
+        try:
+            attempt = await self._store(
+                lambda s: s.mark_inflight(holder, epoch, head.id, head.state, head.attempts)
+            )
+        except BaseException:
+            self._sending.discard(head.id)
+            raise
+        transmit = dataclasses.replace(probe, attempt=attempt)
+        self._inflight[head.id] = _InFlight(head.id, len(transmit.body.encode()), session)
+        started = time.monotonic()
+        try:
+            response = await asyncio.wait_for(
+                session.transmit(transmit), self.settings.server.response_timeout
+            )
+        except TimeoutError:
+            mlog.warning("transmit_response_timeout", attempt=attempt)
+            await self._recover_after_loss(channel, epoch, head, attempt, session, "response timeout", mlog)
+            return
+        except TransmitTooLarge as exc:
+            await self._give_up(channel, epoch, head, attempt, "rejected", "207", str(exc), mlog)
+            return
+        except SessionClosed as exc:
+            if exc.too_big and self._too_big_victim(session) == head.id:
+                await self._give_up(channel, epoch, head, attempt, "rejected", "207",
+                                    "server closed with 1009: message too big", mlog)
+                return
+            mlog.info("transmit_interrupted", attempt=attempt, code=exc.code)
+            await self._recover_after_loss(channel, epoch, head, attempt, session, "connection lost", mlog)
+            return
+        finally:
+            self._sending.discard(head.id)
+            self._inflight.pop(head.id, None)
+        if self.metrics is not None:
+            self.metrics.observe_dispatch_latency(channel.name, time.monotonic() - started)
+        await self._settle_response(channel, epoch, head, attempt, response, mlog)
+
+    def _too_big_victim(self, session: Session) -> str | None:
+        """SPEC 5: a 1009 close rejects the largest transmit in flight on that session."""
+        key = id(session)
+        if key not in self._too_big_victims:
+            candidates = [f for f in self._inflight.values() if f.session is session]
+            victim = max(candidates, key=lambda f: f.size).message_id if candidates else None
+            self._too_big_victims[key] = victim
+        return self._too_big_victims[key]
+
+    async def _recover_after_loss(
+        self, channel: ChannelSettings, epoch: int, head: HeadRow, attempt: int,
+        session: Session, why: str, mlog: Any,
+    ) -> None:
+        """SPEC 6 recovery for a row whose answer will not come for this attempt.
+
+        With a replaying server the row simply stays ``inflight``: the worker
+        finds it at the head again and resends it with the same id (on this
+        session after a timeout, on the next one after a lost connection).
+        """
+        if not session.replay:
+            await self._ambiguous(channel, epoch, head, attempt, f"{why}; server does not replay", mlog)
+
+    async def _ambiguous(
+        self, channel: ChannelSettings, epoch: int, head: HeadRow, attempt: int, why: str, mlog: Any
+    ) -> None:
+        if channel.guaranteed_delivery:
+            ok = await self._store(
+                lambda s: s.requeue(self.me.holder, epoch, head.id, attempt, 0.0,
+                                    error_code="ambiguous", error_text=f"requeued (guaranteed delivery): {why}")
+            )
+            if ok:
+                mlog.warning("inflight_requeued_guaranteed", reason=why)
+            return
+        await self._give_up(channel, epoch, head, attempt, "failed", "ambiguous",
+                            f"delivery unknown: {why}", mlog)
+
+    async def _give_up(
+        self, channel: ChannelSettings, epoch: int, head: HeadRow, attempt: int, state: str,
+        code: str, text: str, mlog: Any,
+    ) -> None:
+        app_ack = self._app_ack_for(head, 500, None) if head.ack_mode != "commit" else None
+
+        def apply(s: SqliteStore) -> bool:
+            done = s.fail_live(self.me.holder, epoch, head.id, attempt, state,
+                               error_code=code, error_text=text, app_ack=app_ack)
+            if done and channel.on_reject == "pause":
+                s.pause_channel(channel.name, f"{state} row {head.id}: {text}")
+            return done
+
+        if await self._store(apply):
+            mlog.warning("message_" + state, error_code=code, reason=text)
+            self._settled(channel, head, state, app_ack)
+
+    def _settled(self, channel: ChannelSettings, head: HeadRow, state: str, app_ack: bytes | None) -> None:
+        if self.metrics is not None:
+            self.metrics.message_settled(channel.name, state)
+        if app_ack is not None and self.relay is not None:
+            self.relay.settled(head.id, app_ack)
+
+    def _app_ack_for(self, head: HeadRow, status: int, ack_text: str | None) -> bytes | None:
+        """The application ACK the source is owed, in its own character set (SPEC 4)."""
+        if ack_text:
+            normalised = ack_text.replace("\r\n", "\r").replace("\n", "\r")
+            return normalised.encode(head.encoding, errors="replace")
+        try:
+            inbound = envelope.read_msh(head.body)
+        except HL7Error:
+            return None
+        return acks.app_ack_from_status(inbound, status, head.encoding)
+
+    async def _settle_response(
+        self, channel: ChannelSettings, epoch: int, head: HeadRow, attempt: int,
+        response: TransmitResponse, mlog: Any,
+    ) -> None:
+        holder = self.me.holder
+        kind = classify_status(response.status)
+        if kind == "transient":
+            used = attempt - head.redrive_base
+            if attempts_exhausted(used, channel.max_attempts):
+                await self._give_up(channel, epoch, head, attempt, "failed", str(response.status),
+                                    f"max_attempts {channel.max_attempts} reached; last status "
+                                    f"{response.status}", mlog)
+                return
+            d = self.settings.dispatch
+            delay = retry_delay(used, initial=d.retry_initial, cap=d.retry_cap)
+            await self._store(
+                lambda s: s.requeue(holder, epoch, head.id, attempt, time.time() + delay,
+                                    server_status=response.status, error_code=str(response.status),
+                                    error_text=f"transient status {response.status}; retry in {delay:.1f}s")
+            )
+            mlog.info("transmit_retry_scheduled", status=response.status, attempt=attempt, delay_s=round(delay, 2))
+            return
+        state = "processed" if kind == "processed" else "rejected"
+        app_ack = self._app_ack_for(head, response.status, response.ack) if head.ack_mode != "commit" else None
+
+        def apply(s: SqliteStore) -> bool:
+            done = s.settle(
+                holder, epoch, head.id, attempt, state,
+                server_status=response.status, server_ack=response.ack, app_ack=app_ack,
+                error_code=None if state == "processed" else str(response.status),
+                error_text=None if state == "processed" else f"rejected by server (status {response.status})",
+            )
+            if done and state == "rejected" and channel.on_reject == "pause":
+                s.pause_channel(channel.name, f"rejected row {head.id} (status {response.status})")
+            return done
+
+        if await self._store(apply):
+            (mlog.info if state == "processed" else mlog.warning)(
+                "message_" + state, status=response.status, attempt=attempt
+            )
+            self._settled(channel, head, state, app_ack)
+        else:
+            mlog.info("stale_settle_ignored", attempt=attempt)
+
