@@ -1,0 +1,301 @@
+"""Shared test helpers: the daemon as a subprocess, an MLLP client, a dev server on a thread.
+
+Real parts only: the daemon runs as ``python -m agent run`` with a real config
+file and data dir, talks real TCP on 127.0.0.1, and is stopped by its PID.
+Waiting is by polling with a deadline, never a bare sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from agent import mllp
+from agent.devserver import Answer, DevServer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+SAMPLE_ADT = (
+    "MSH|^~\\&|LAB|NORTH|EHR|CENTRAL|20260101120000||ADT^A01^ADT_A01|{cid}|P|2.5.1\r"
+    "EVN|A01|20260101120000\r"
+    "PID|1||{pid}^^^MRN||DOE^JANE||19800101|F\r"
+    "PV1|1|I|WARD^1^1\r"
+)
+
+
+def hl7_message(control_id: str, *, pid: str = "12345", sending_app: str = "LAB",
+                msh15: str = "", msh16: str = "", version: str = "2.5.1") -> bytes:
+    """A small ADT^A01 with the given MSH-10 (and optional MSH-15/16)."""
+    msh = (f"MSH|^~\\&|{sending_app}|NORTH|EHR|CENTRAL|20260101120000||ADT^A01^ADT_A01|{control_id}|P|{version}"
+           + (f"|||{msh15}|{msh16}" if (msh15 or msh16) else ""))
+    return (msh + "\rEVN|A01|20260101120000\r"
+            f"PID|1||{pid}^^^MRN||DOE^JANE||19800101|F\rPV1|1|I|WARD^1^1\r").encode()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
+             what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns a truthy value or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def ack_code(ack: bytes) -> str:
+    for segment in ack.replace(b"\n", b"\r").split(b"\r"):
+        if segment.startswith(b"MSA"):
+            return segment.split(segment[3:4])[1].decode()
+    return ""
+
+
+def msa2(ack: bytes) -> str:
+    for segment in ack.replace(b"\n", b"\r").split(b"\r"):
+        if segment.startswith(b"MSA"):
+            fields = segment.split(segment[3:4])
+            return fields[2].decode() if len(fields) > 2 else ""
+    return ""
+
+
+def err3(ack: bytes) -> str:
+    for segment in ack.split(b"\r"):
+        if segment.startswith(b"ERR"):
+            fields = segment.split(b"|")
+            return fields[3].split(b"^")[0].decode() if len(fields) > 3 else ""
+    return ""
+
+
+class MllpClient:
+    """A blocking MLLP client: one connection, send a frame, read one ACK frame."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.decoder = mllp.MllpDecoder(64 * 1024 * 1024)
+        self.pending: list[bytes] = []
+        self.timeout = timeout
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send(self, message: bytes) -> None:
+        self.sock.sendall(mllp.encode_frame(message))
+
+    def read_ack(self, timeout: float | None = None) -> bytes:
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while not self.pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("no ACK frame")
+            self.sock.settimeout(remaining)
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("connection closed by the agent")
+            self.pending.extend(e.payload for e in self.decoder.feed(data) if isinstance(e, mllp.Frame))
+        return self.pending.pop(0)
+
+    def exchange(self, message: bytes, timeout: float | None = None) -> bytes:
+        self.send(message)
+        return self.read_ack(timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> MllpClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def toml_config(data_dir: Path, channels: Iterable[dict[str, Any]], *, agent_id: str = "test-agent",
+                server_url: str | None = None, token: str = "test-token", admin_port: int | None = None,
+                extra: str = "") -> str:
+    lines = ["[agent]", f'id = "{agent_id}"', f'data_dir = "{data_dir}"', "shutdown_budget = 10", ""]
+    lines += ["[admin]", f'listen = "127.0.0.1:{admin_port}"' if admin_port else 'listen = ""', ""]
+    if server_url:
+        lines += ["[server]", f'url = "{server_url}"', f'token = "{token}"', "response_timeout = 5",
+                  "connect_timeout = 5", ""]
+    lines += ["[dispatch]", "lease_ttl = 6", "lease_heartbeat = 2", "lease_acquire_interval = 0.5",
+              "retry_initial = 0.2", "retry_cap = 1", ""]
+    for channel in channels:
+        lines.append("[[channels]]")
+        for key, value in channel.items():
+            lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines) + "\n" + extra
+
+
+class Daemon:
+    """``python -m agent run`` as a subprocess with its own config, log file and PID."""
+
+    def __init__(self, tmp: Path, config_text: str, *, name: str = "agent",
+                 env: dict[str, str] | None = None, preexec_fn: Callable[[], None] | None = None) -> None:
+        self.dir = tmp
+        self.config = tmp / f"{name}.toml"
+        self.config.write_text(config_text)
+        self.log_path = tmp / f"{name}.log"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("HL7_AGENT_")}
+        self.env.update(env or {})
+        self.preexec_fn = preexec_fn
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Daemon:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+            [sys.executable, "-m", "agent", "run", "--config", str(self.config)],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.dir,
+            preexec_fn=self.preexec_fn,  # noqa: PLW1509 - only setrlimit, in tests
+        )
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def events(self) -> list[dict[str, Any]]:
+        out = []
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return out
+        for line in text.splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+        return out
+
+    def has_event(self, name: str, **match: Any) -> bool:
+        return any(e.get("event") == name and all(e.get(k) == v for k, v in match.items())
+                   for e in self.events())
+
+    def wait_started(self, timeout: float = 20.0) -> Daemon:
+        def started() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
+            return self.has_event("agent_started")
+
+        wait_for(started, timeout, what="agent_started")
+        return self
+
+    def wait_event(self, name: str, timeout: float = 20.0, **match: Any) -> None:
+        wait_for(lambda: self.has_event(name, **match), timeout, what=f"log event {name}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "<no log>"
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait; SIGKILL if it does not exit in time. Returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+                raise
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def db_rows(db_path: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Read the queue database directly (a separate connection, as an operator would)."""
+    conn = sqlite3.connect(f"file:{db_path}?mode=rw", uri=True, timeout=10)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback only
+            return int(resp.status), bytes(resp.read())
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), bytes(exc.read())
+
+
+class DevServerThread:
+    """A real DevServer on its own event loop thread, for tests that run the daemon as a subprocess."""
+
+    def __init__(self, *, token: str | None = "test-token", replay: bool = True,
+                 decide: Callable[[Any], Any] | None = None, port: int = 0) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="dev-server", daemon=True)
+        self.server = DevServer(token=token, replay=replay, decide=decide)
+        self._port = port
+        self.thread.start()
+
+    def call(self, coro: Any, timeout: float = 10.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> DevServerThread:
+        self.call(self.server.start("127.0.0.1", self._port))
+        return self
+
+    @property
+    def port(self) -> int:
+        return int(self.server.port)
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/agent"
+
+    def stop(self) -> None:
+        try:
+            self.call(self.server.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+    def received_ids(self) -> list[str]:
+        return [t.id for t in list(self.server.received)]
+
+
+__all__ = [
+    "Answer", "Daemon", "DevServerThread", "MllpClient", "REPO_ROOT", "ack_code", "db_rows", "err3",
+    "free_port", "hl7_message", "http_get", "msa2", "toml_config", "wait_for",
+]
