@@ -391,10 +391,13 @@ class HandoverServer:
                 return
             socks = self._sockets()
             names = list(socks)
-            header = json.dumps(
-                {"v": _PROTOCOL_VERSION, "names": names, "pid": os.getpid()},
-                separators=(",", ":"),
-            ).encode("utf-8") + b"\n"
+            header = (
+                json.dumps(
+                    {"v": _PROTOCOL_VERSION, "names": names, "pid": os.getpid()},
+                    separators=(",", ":"),
+                ).encode("utf-8")
+                + b"\n"
+            )
             try:
                 async with asyncio.timeout(10.0):
                     await _send_all(loop, conn, header, [socks[n].fileno() for n in names])
@@ -442,9 +445,7 @@ async def receive_handover(path: Path, timeout: float = 5.0) -> dict[str, socket
                 except (ValueError, KeyError, TypeError) as exc:
                     raise HandoverError(f"bad handover header: {exc}") from exc
                 if len(names) != len(fds) or len(set(names)) != len(names):
-                    raise HandoverError(
-                        f"handover sent {len(fds)} fds for names {names!r}"
-                    )
+                    raise HandoverError(f"handover sent {len(fds)} fds for names {names!r}")
                 while fds:
                     fd = fds.pop(0)
                     try:
