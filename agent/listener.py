@@ -208,6 +208,8 @@ class Connection:
             await self.replies.put(None)
             with contextlib.suppress(Exception):
                 await ack_writer
+            if self.closing.is_set() and not self.closed:
+                await self._lingering_close()
             for task in list(self.relay_tasks):
                 task.cancel()
             self.closed = True
@@ -215,6 +217,31 @@ class Connection:
             with contextlib.suppress(Exception):
                 await self.writer.wait_closed()
             self.log.info("connection_closed")
+
+    async def _lingering_close(self, linger: float = 2.0) -> None:
+        """Close after the last ACK without ever resetting the connection (SPEC 7).
+
+        FIN first (half-close), then read and discard until the sender closes
+        too. A sender that already sent its next frame sees a clean EOF instead
+        of its ACK and resends on a new connection — to the successor, through
+        the shared accept queue; nothing it sent was committed here. Closing
+        with unread data would send a RST, which can discard the ACK we just
+        wrote before the sender read it.
+        """
+        with contextlib.suppress(OSError, RuntimeError):
+            if self.writer.can_write_eof():
+                await self.writer.drain()
+                self.writer.write_eof()
+        deadline = time.monotonic() + linger
+        discarded = 0
+        with contextlib.suppress(OSError, ConnectionError, TimeoutError):
+            while (remaining := deadline - time.monotonic()) > 0:
+                data = await asyncio.wait_for(self.reader.read(READ_CHUNK), remaining)
+                if not data:
+                    break
+                discarded += len(data)
+        if discarded:
+            self.log.info("bytes_after_close_discarded", count=discarded)
 
     async def _read_chunk(self) -> bytes:
         """The next bytes, or b"" at EOF, on idle timeout, or when asked to close while idle."""
