@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from tests.agenttest import MllpClient, ack_code, free_port, hl7_message, toml_config
 
 pytestmark = pytest.mark.slow
 
@@ -343,3 +348,90 @@ class TestDockerInstallRecipe:
         )
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         assert "check-docker-install: ok" in proc.stdout
+
+
+def _datagrams_until(sock: socket.socket, key: str, deadline_s: float = 30.0) -> list[str]:
+    """Collect sd_notify lines until one datagram carries ``key`` (polling with a deadline)."""
+    lines: list[str] = []
+    end = time.monotonic() + deadline_s
+    while True:
+        remaining = end - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"no {key} within {deadline_s}s; got {lines}")
+        sock.settimeout(remaining)
+        datagram = sock.recv(4096).decode().splitlines()
+        lines += datagram
+        if key in datagram:
+            return lines
+
+
+class TestSocketActivatedDaemon:
+    @pytest.mark.skipif(
+        shutil.which("systemd-socket-activate") is None,
+        reason="systemd-socket-activate is not installed",
+    )
+    def test_daemon_under_socket_activation(self, tmp_path: Path) -> None:
+        """Under systemd-socket-activate the daemon serves the inherited 'adt' socket,
+        notifies READY=1 with its PID, pings the watchdog and stops cleanly on SIGTERM."""
+        port = free_port()
+        config = tmp_path / "agent.toml"
+        config.write_text(
+            toml_config(
+                tmp_path / "data",
+                # The same port as the activation socket: binding it would fail,
+                # so an ACK proves the daemon used the inherited socket.
+                [{"name": "adt", "listen": f"127.0.0.1:{port}"}],
+                server_url=f"ws://127.0.0.1:{free_port()}/agent",
+            )
+        )
+        notify_path = tmp_path / "notify.sock"
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(str(notify_path))
+        log = (tmp_path / "agent.log").open("wb")
+        proc = subprocess.Popen(
+            [
+                "systemd-socket-activate",
+                "-l",
+                f"127.0.0.1:{port}",
+                "--fdname=adt",
+                "-E",
+                f"NOTIFY_SOCKET={notify_path}",
+                "-E",
+                "WATCHDOG_USEC=400000",
+                sys.executable,
+                "-m",
+                "agent",
+                "run",
+                "--config",
+                str(config),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+        log.close()
+        try:
+            end = time.monotonic() + 20
+            while True:
+                try:
+                    client = MllpClient(port, timeout=30)
+                    break
+                except ConnectionRefusedError:
+                    assert time.monotonic() < end, "systemd-socket-activate never listened"
+                    time.sleep(0.05)  # polling with a deadline
+            with client:
+                # The first connection makes systemd-socket-activate exec the agent.
+                assert ack_code(client.exchange(hl7_message("SOCKACT1"), timeout=30)) == "AA"
+            lines = _datagrams_until(notify, "READY=1")
+            assert f"MAINPID={proc.pid}" in lines
+            _datagrams_until(notify, "WATCHDOG=1", deadline_s=10)
+            with MllpClient(port, timeout=10) as second:
+                assert ack_code(second.exchange(hl7_message("SOCKACT2"))) == "AA"
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0, (tmp_path / "agent.log").read_text()
+            _datagrams_until(notify, "STOPPING=1", deadline_s=5)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+            notify.close()
