@@ -13,7 +13,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import pytest
 
 from agent import db, mllp
 from agent.cli import main
-from agent.store import IntakeItem, LeaseHolder, SqliteStore, AuditItem
+from agent.store import AuditItem, IntakeItem, LeaseHolder, SqliteStore
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO / "docs" / "queue-stats.schema.json"
@@ -99,8 +98,17 @@ def _settle_head(store: SqliteStore, me: LeaseHolder, epoch: int, channel: str, 
                           server_ack="MSH|^~\\&|RAPP|RFAC|LAB|HOSP|20240101120001||ACK^A01^ACK|S1|P|2.5\r"
                                      "MSA|AA|" + head.control_id + "\r")  # fmt: skip
     elif state == "rejected":
-        ok = store.settle(me.holder, epoch, head.id, attempt, "rejected", server_status=422,
-                          server_ack=None, error_code="http_422", error_text="unknown patient")
+        ok = store.settle(
+            me.holder,
+            epoch,
+            head.id,
+            attempt,
+            "rejected",
+            server_status=422,
+            server_ack=None,
+            error_code="http_422",
+            error_text="unknown patient",
+        )
     else:
         ok = store.fail_live(me.holder, epoch, head.id, attempt, "failed",
                              error_code="max_attempts", error_text="503 x3")  # fmt: skip
@@ -171,7 +179,9 @@ def run(q: Queue, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, 
     return code, out, err
 
 
-def run_process(config: Path, *argv: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+def run_process(
+    config: Path, *argv: str, stdin: bytes | None = None
+) -> subprocess.CompletedProcess[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HL7_AGENT_")}
     return subprocess.run(
         [sys.executable, "-m", "agent", *argv, "--config", str(config)],
@@ -182,7 +192,9 @@ def run_process(config: Path, *argv: str, stdin: bytes | None = None) -> subproc
 # -- a small structural JSON Schema check (jsonschema is not a dependency) -------
 
 
-def check_schema(value: Any, schema: dict[str, Any], root: dict[str, Any], where: str = "$") -> None:
+def check_schema(
+    value: Any, schema: dict[str, Any], root: dict[str, Any], where: str = "$"
+) -> None:
     """Enough of JSON Schema for our own schema files: type, required, properties,
     additionalProperties (schema), enum, minimum, $ref to #/$defs."""
     if "$ref" in schema:
@@ -236,12 +248,21 @@ class TestStats:
         code, out, _ = run(queue, capsys, "queue", "stats", "--json")
         assert code == 0
         data = json.loads(out)
-        expected = {s: 0 for s in ("queued", "claimed", "inflight", "processed", "rejected", "failed", "nacked")}
+        expected = {
+            s: 0
+            for s in ("queued", "claimed", "inflight", "processed", "rejected", "failed", "nacked")
+        }
         expected.update(queue.counts())
         assert data["states"] == expected
         assert data["states"]["processed"] == 2 and data["states"]["nacked"] == 1
         adt, lab = data["channels"]["adt"], data["channels"]["lab"]
-        assert (adt["queued"], adt["claimed"], adt["inflight"], adt["failed"], adt["rejected"]) == (2, 0, 0, 1, 1)
+        assert (adt["queued"], adt["claimed"], adt["inflight"], adt["failed"], adt["rejected"]) == (
+            2,
+            0,
+            0,
+            1,
+            1,
+        )
         assert (lab["queued"], lab["inflight"]) == (1, 1)
         assert adt["oldest_queued_age_s"] is not None and adt["paused"] is False
         assert data["lease"] is None
@@ -270,11 +291,15 @@ class TestStats:
         code, out, _ = run(queue, capsys, "queue", "stats")
         assert code == 0
         assert "processed" in out and "lease     none held" in out
-        lines = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.startswith(("adt", "lab"))}
+        lines = {
+            ln.split()[0]: ln.split() for ln in out.splitlines() if ln.startswith(("adt", "lab"))
+        }
         assert lines["adt"][1:6] == ["2", "0", "0", "1", "1"]
         assert lines["lab"][1:4] == ["1", "0", "1"]
 
-    def test_read_only_leaves_file_unchanged(self, queue: Queue, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_read_only_leaves_file_unchanged(
+        self, queue: Queue, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """Read commands change no row (they run under PRAGMA query_only)."""
         before = queue.sql("SELECT id, state, updated_at FROM messages ORDER BY id")
         for argv in (["queue", "stats"], ["queue", "list"], ["queue", "show", queue.ids["adt2"]]):
@@ -283,7 +308,9 @@ class TestStats:
 
 
 class TestMissingDatabase:
-    def test_missing_db_exit_1_and_not_created(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_missing_db_exit_1_and_not_created(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """Every queue command on a missing database exits 1 with one line and creates nothing."""
         data_dir = tmp_path / "nodata"
         config = write_config(tmp_path / "agent.toml", data_dir)
@@ -312,7 +339,9 @@ class TestMissingDatabase:
 
 
 class TestList:
-    def test_newest_first_with_columns(self, queue: Queue, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_newest_first_with_columns(
+        self, queue: Queue, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """Rows come newest first with id, channel, seq, state, control id, type, attempts, time, error."""
         queue.sql("UPDATE messages SET received_at = 1000 + coalesce(seq, 0) + "
                   "CASE channel WHEN 'lab' THEN 100 ELSE 0 END")  # fmt: skip
@@ -337,10 +366,12 @@ class TestList:
         assert {i["id"] for i in json.loads(out)} == {queue.ids["lab1"], queue.ids["lab2"]}
         _, out, _ = run(queue, capsys, "queue", "list", "--control-id", "ADT0003", "--json")
         assert [i["state"] for i in json.loads(out)] == ["rejected"]
-        _, out, err = run(queue, capsys, "queue", "list", "--limit", "3", "--json")
+        _, out, _ = run(queue, capsys, "queue", "list", "--limit", "3", "--json")
         assert len(json.loads(out)) == 3
 
-    def test_since_duration_and_time(self, queue: Queue, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_since_duration_and_time(
+        self, queue: Queue, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """--since takes a duration back from now or an RFC 3339 time with offset."""
         queue.sql("UPDATE messages SET received_at = received_at - 3 * 86400 WHERE channel = 'adt'")
         _, out, _ = run(queue, capsys, "queue", "list", "--since", "2h", "--json")
@@ -352,12 +383,16 @@ class TestList:
 
     def test_show_body(self, queue: Queue, capsys: pytest.CaptureFixture[str]) -> None:
         """--show-body adds the message text, segment per line on a terminal, as text in JSON."""
-        _, out, _ = run(queue, capsys, "queue", "list", "--control-id", "ADT0005", "--show-body", "--json")
+        _, out, _ = run(
+            queue, capsys, "queue", "list", "--control-id", "ADT0005", "--show-body", "--json"
+        )
         assert json.loads(out)[0]["body"] == hl7("ADT0005").decode()
         _, out, _ = run(queue, capsys, "queue", "list", "--control-id", "ADT0005", "--show-body")
         assert "    PID|1||12345||DOE^JOHN" in out
 
-    def test_bad_state_is_usage_error(self, queue: Queue, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_bad_state_is_usage_error(
+        self, queue: Queue, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """An unknown --state is a usage error (exit 2)."""
         code, _, err = run(queue, capsys, "queue", "list", "--state", "done")
         assert code == 2 and "--state" in err
@@ -376,7 +411,9 @@ class TestShow:
         assert row["ack_sent"].startswith("MSH|")
         assert row["attempts"] == 1 and row["attempts_since_redrive"] == 1
 
-    def test_text_renders_ack_segments_as_lines(self, queue: Queue, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_text_renders_ack_segments_as_lines(
+        self, queue: Queue, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """The terminal form puts each ACK segment on its own line."""
         code, out, _ = run(queue, capsys, "queue", "show", queue.ids["adt1"])
         assert code == 0
@@ -406,15 +443,19 @@ class TestShow:
 
 
 class TestRetry:
-    def test_by_state_moves_only_failed(self, queue: Queue, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_by_state_moves_only_failed(
+        self, queue: Queue, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """--state failed re-drives failed rows only; same id, queued, due now, redrive_base = attempts."""
         before = queue.counts()
         code, out, _ = run(queue, capsys, "queue", "retry", "--state", "failed")
         assert code == 0 and "re-drove 1 failed" in out
         failed_id = queue.ids["adt2"]
         assert queue.state(failed_id) == "queued"
-        (attempts, base, due, code_), = queue.sql(
-            "SELECT attempts, redrive_base, next_attempt_at, error_code FROM messages WHERE id = ?", failed_id)
+        ((attempts, base, due, code_),) = queue.sql(
+            "SELECT attempts, redrive_base, next_attempt_at, error_code FROM messages WHERE id = ?",
+            failed_id,
+        )
         assert (attempts, base, due) == (1, 1, 0) and code_ == "max_attempts"
         after = queue.counts()
         assert after.get("failed", 0) == 0 and after["queued"] == before["queued"] + 1
@@ -422,13 +463,17 @@ class TestRetry:
 
     def test_by_state_and_channel(self, queue: Queue, capsys: pytest.CaptureFixture[str]) -> None:
         """--channel limits the re-drive to one channel."""
-        code, out, _ = run(queue, capsys, "queue", "retry", "--state", "rejected", "--channel", "lab")
+        code, out, _ = run(
+            queue, capsys, "queue", "retry", "--state", "rejected", "--channel", "lab"
+        )
         assert code == 0 and "re-drove 0" in out
         assert queue.state(queue.ids["adt3"]) == "rejected"
         run(queue, capsys, "queue", "retry", "--state", "rejected", "--channel", "adt")
         assert queue.state(queue.ids["adt3"]) == "queued"
 
-    def test_dry_run_changes_nothing(self, queue: Queue, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_dry_run_changes_nothing(
+        self, queue: Queue, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """--dry-run lists what would move and moves nothing."""
         code, out, err = run(queue, capsys, "queue", "retry", "--state", "failed", "--dry-run")
         assert code == 0 and queue.ids["adt2"] in out and "would re-drive 1" in err
@@ -437,7 +482,9 @@ class TestRetry:
         assert code == 0 and "would be queued" in out
         assert queue.state(queue.ids["adt3"]) == "rejected"
 
-    def test_by_id_refuses_live_and_settled(self, queue: Queue, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_by_id_refuses_live_and_settled(
+        self, queue: Queue, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """Ids of live or processed rows are named and left alone; the failed one moves; exit 1."""
         code, out, err = run(queue, capsys, "queue", "retry", queue.ids["adt2"], queue.ids["lab1"],
                              queue.ids["adt5"], queue.ids["adt1"], "nope")  # fmt: skip
@@ -477,11 +524,18 @@ class TestRetry:
 
 
 class TestPurge:
-    def test_deletes_old_terminal_rows_only(self, queue: Queue, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_deletes_old_terminal_rows_only(
+        self, queue: Queue, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """Purge deletes rows of the state older than the duration; younger rows and dedupe keys stay."""
-        queue.sql("UPDATE messages SET updated_at = updated_at - 10 * 86400 WHERE id = ?", queue.ids["adt1"])
+        queue.sql(
+            "UPDATE messages SET updated_at = updated_at - 10 * 86400 WHERE id = ?",
+            queue.ids["adt1"],
+        )
         keys_before = queue.sql("SELECT count(*) FROM dedupe_keys")
-        code, out, _ = run(queue, capsys, "queue", "purge", "--state", "processed", "--older-than", "7d")
+        code, out, _ = run(
+            queue, capsys, "queue", "purge", "--state", "processed", "--older-than", "7d"
+        )
         assert code == 0 and "deleted 1 processed" in out
         assert queue.state(queue.ids["adt1"]) is None
         assert queue.state(queue.ids["adt4"]) == "processed"
@@ -492,7 +546,9 @@ class TestPurge:
         queue.sql("UPDATE messages SET updated_at = 0")
         before = queue.counts()
         for state in ("queued", "claimed", "inflight"):
-            code, _, err = run(queue, capsys, "queue", "purge", "--state", state, "--older-than", "0")
+            code, _, err = run(
+                queue, capsys, "queue", "purge", "--state", state, "--older-than", "0"
+            )
             assert code == 2 and "refusing" in err
         assert queue.counts() == before
 
@@ -501,9 +557,13 @@ class TestPurge:
     ) -> None:
         """Purging every terminal state with --older-than 0 leaves exactly the live rows."""
         queue.sql("UPDATE messages SET updated_at = 0")
-        live = queue.sql("SELECT id FROM messages WHERE state IN ('queued','claimed','inflight') ORDER BY id")
+        live = queue.sql(
+            "SELECT id FROM messages WHERE state IN ('queued','claimed','inflight') ORDER BY id"
+        )
         for state in ("processed", "rejected", "failed", "nacked"):
-            assert run(queue, capsys, "queue", "purge", "--state", state, "--older-than", "0")[0] == 0
+            assert (
+                run(queue, capsys, "queue", "purge", "--state", state, "--older-than", "0")[0] == 0
+            )
         assert queue.sql("SELECT id FROM messages ORDER BY id") == live
 
     def test_dry_run_and_channel(self, queue: Queue, capsys: pytest.CaptureFixture[str]) -> None:
@@ -512,39 +572,66 @@ class TestPurge:
         code, out, _ = run(queue, capsys, "queue", "purge", "--state", "processed", "--older-than", "1h",
                            "--dry-run")  # fmt: skip
         assert code == 0 and "would delete 2" in out and queue.counts()["processed"] == 2
-        run(queue, capsys, "queue", "purge", "--state", "processed", "--older-than", "1h", "--channel", "lab")
+        run(
+            queue,
+            capsys,
+            "queue",
+            "purge",
+            "--state",
+            "processed",
+            "--older-than",
+            "1h",
+            "--channel",
+            "lab",
+        )
         assert queue.counts()["processed"] == 2
 
     def test_bad_duration_exit_2_subprocess(self, queue: Queue) -> None:
         """A bad duration and a live state are exit 2 in a real process too."""
-        proc = run_process(queue.config, "queue", "purge", "--state", "processed", "--older-than", "soon")
+        proc = run_process(
+            queue.config, "queue", "purge", "--state", "processed", "--older-than", "soon"
+        )
         assert proc.returncode == 2 and proc.stderr.count(b"\n") == 1
-        proc = run_process(queue.config, "queue", "purge", "--state", "queued", "--older-than", "1d")
+        proc = run_process(
+            queue.config, "queue", "purge", "--state", "queued", "--older-than", "1d"
+        )
         assert proc.returncode == 2
 
 
 class TestExport:
-    def test_mllp_round_trip(self, queue: Queue, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_mllp_round_trip(
+        self, queue: Queue, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """An MLLP export decodes back, in seq order, to the stored bytes."""
         out_file = tmp_path / "export.mllp"
         code, _, err = run(queue, capsys, "queue", "export", "--state", "processed", str(out_file))
         assert code == 0 and "exported 2 processed" in err
         decoder = mllp.MllpDecoder(1 << 20)
-        frames = [e.payload for e in decoder.feed(out_file.read_bytes()) if isinstance(e, mllp.Frame)]
+        frames = [
+            e.payload for e in decoder.feed(out_file.read_bytes()) if isinstance(e, mllp.Frame)
+        ]
         assert frames == [queue.bodies[queue.ids["adt1"]], queue.bodies[queue.ids["adt4"]]]
         assert out_file.stat().st_mode & 0o777 == 0o600
         assert not list(tmp_path.glob("*.partial"))
 
     def test_lines_to_stdout(self, queue: Queue) -> None:
         """--format lines to `-` writes one segment per line, messages in channel order."""
-        proc = run_process(queue.config, "queue", "export", "--state", "queued", "--format", "lines", "-")
+        proc = run_process(
+            queue.config, "queue", "export", "--state", "queued", "--format", "lines", "-"
+        )
         assert proc.returncode == 0
         lines = proc.stdout.decode().splitlines()
-        assert [ln.split("|")[9] for ln in lines if ln.startswith("MSH")] == ["ADT0005", "ADT0006", "LAB0002"]
+        assert [ln.split("|")[9] for ln in lines if ln.startswith("MSH")] == [
+            "ADT0005",
+            "ADT0006",
+            "LAB0002",
+        ]
         assert b"\r" not in proc.stdout
         assert b"exported 3 queued" in proc.stderr
 
-    def test_empty_selection(self, queue: Queue, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_empty_selection(
+        self, queue: Queue, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """No matching row writes an empty file and says 0."""
         out_file = tmp_path / "none.mllp"
         code, _, err = run(queue, capsys, "queue", "export", "--state", "claimed", str(out_file))
