@@ -389,7 +389,9 @@ class HandoverServer:
             if peer_uid not in (os.geteuid(), 0):
                 log.warning("handover_refused", peer_pid=peer_pid, peer_uid=peer_uid)
                 return
-            socks = self._sockets()
+            # A listener this process already closed (it is shutting down) is
+            # skipped: its fileno() is -1 and sending it would break the exchange.
+            socks = {n: s for n, s in self._sockets().items() if s.fileno() >= 0}
             names = list(socks)
             header = (
                 json.dumps(

@@ -305,6 +305,26 @@ class TestHandover:
 
         asyncio.run(scenario())
 
+    def test_closed_listener_is_skipped(self, tmp_path: Path) -> None:
+        """A listener the giver already closed is left out instead of breaking the handover."""
+        path = tmp_path / "handover.sock"
+
+        async def scenario() -> None:
+            with _listeners("adt", "lab") as socks:
+                socks["lab"].close()
+                server = HandoverServer(path, lambda: dict(socks))
+                await server.start()
+                try:
+                    got = await receive_handover(path)
+                    assert got is not None
+                    assert list(got) == ["adt"]
+                    for s in got.values():
+                        s.close()
+                finally:
+                    await server.close()
+
+        asyncio.run(scenario())
+
     def test_garbage_header_raises(self, tmp_path: Path) -> None:
         """A peer that answers with something other than the header raises HandoverError."""
         path = tmp_path / "handover.sock"
