@@ -1,0 +1,198 @@
+"""Zero-downtime upgrade overlap: two daemons, one database, one set of listening sockets (SPEC 7)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from agenttest import (
+    Daemon,
+    DevServerThread,
+    MllpClient,
+    ack_code,
+    db_rows,
+    free_port,
+    hl7_message,
+    msa2,
+    toml_config,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class SenderStats:
+    acked: list[str] = field(default_factory=list)
+    non_accept: list[tuple[str, str]] = field(default_factory=list)
+    refused: int = 0
+    resent_after_close: int = 0
+    reconnects: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class Sender(threading.Thread):
+    """A sender that reconnects when the agent closes its connection, as real MLLP clients do.
+
+    A message whose ACK did not arrive because the connection closed is sent
+    again, identical, on the next connection (the agent's dedupe answers it).
+    """
+
+    def __init__(self, name: str, port: int, stop: threading.Event, max_messages: int) -> None:
+        super().__init__(name=name, daemon=True)
+        self.tag = name
+        self.port = port
+        self.stop_event = stop
+        self.max_messages = max_messages
+        self.stats = SenderStats()
+
+    def _connect(self) -> MllpClient | None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                return MllpClient(self.port, timeout=10)
+            except ConnectionRefusedError:
+                self.stats.refused += 1
+            except OSError as exc:
+                if exc.errno != errno.ECONNREFUSED:
+                    self.stats.errors.append(f"connect: {exc}")
+                    return None
+                self.stats.refused += 1
+            time.sleep(0.01)  # a refused connect is a test failure; this only bounds the loop
+        return None
+
+    def run(self) -> None:
+        client = self._connect()
+        n = 0
+        while client is not None and n < self.max_messages and not self.stop_event.is_set():
+            control_id = f"{self.tag}-{n:05d}"
+            message = hl7_message(control_id, sending_app=self.tag.upper())
+            for _try in range(5):
+                try:
+                    ack = client.exchange(message, timeout=15)
+                    break
+                except (ConnectionError, OSError):
+                    # Closed by the agent (upgrade): reconnect and resend the same bytes.
+                    client.close()
+                    self.stats.resent_after_close += 1
+                    self.stats.reconnects += 1
+                    client = self._connect()
+                    if client is None:
+                        return
+            else:
+                self.stats.errors.append(f"{control_id}: no ACK after 5 connections")
+                return
+            code = ack_code(ack)
+            if code == "AA" and msa2(ack) == control_id:
+                self.stats.acked.append(control_id)
+            else:
+                self.stats.non_accept.append((control_id, code))
+            n += 1
+        if client is not None:
+            client.close()
+
+
+def test_overlap_refuses_nothing_and_delivers_everything_once_in_order(tmp_path: Path) -> None:
+    """Start a second daemon on the same config and database, SIGTERM the first under load: nothing is refused, lost, duplicated or reordered."""
+    dev = DevServerThread().start()
+    ports = {"adt": free_port(), "lab": free_port()}
+    channels = [{"name": name, "listen": f"127.0.0.1:{port}"} for name, port in ports.items()]
+    config = toml_config(tmp_path / "data", channels, server_url=dev.url, admin_port=free_port())
+    old = Daemon(tmp_path, config, name="old")
+    new = Daemon(tmp_path, config, name="new",
+                 env={"HL7_AGENT_ADMIN__LISTEN": f"127.0.0.1:{free_port()}"})
+    stop = threading.Event()
+    senders = [Sender(f"s{i}", ports["adt" if i % 2 == 0 else "lab"], stop, 400) for i in range(4)]
+    try:
+        old.start().wait_started()
+        for s in senders:
+            s.start()
+        wait_for(lambda: sum(len(s.stats.acked) for s in senders) >= 60, 20, what="load before upgrade")
+
+        new.start().wait_started()
+        assert new.has_event("listeners_received_by_handover"), new.log_tail()
+        before_stop = sum(len(s.stats.acked) for s in senders)
+
+        stopped_at = time.monotonic()
+        old.signal(signal.SIGTERM)
+        assert old.wait_exit(timeout=20) == 0, old.log_tail()
+        stop_seconds = time.monotonic() - stopped_at
+        assert stop_seconds < 10 + 2, f"old process took {stop_seconds:.1f}s (budget 10s)"
+
+        # The new process keeps serving the reconnected senders and takes the lease.
+        wait_for(lambda: sum(len(s.stats.acked) for s in senders) >= before_stop + 60, 20,
+                 what="load after the old process exited")
+        new.wait_event("lease_acquired", timeout=10)
+    finally:
+        stop.set()
+        for s in senders:
+            s.join(30)
+        try:
+            acked = {cid for s in senders for cid in s.stats.acked}
+            if acked and new.proc is not None and new.proc.poll() is None:
+                wait_for(lambda: acked <= {t.control_id for t in list(dev.server.received)}, 30,
+                         what="every accepted message delivered")
+        finally:
+            for daemon in (old, new):
+                daemon.stop()
+            dev.stop()
+
+    stats = [s.stats for s in senders]
+    assert all(not st.errors for st in stats), [st.errors for st in stats]
+    assert sum(st.refused for st in stats) == 0, "a sender saw a refused connection"
+    assert [x for st in stats for x in st.non_accept] == [], "a sender got a non-accept ACK"
+    assert old.has_event("lease_released"), old.log_tail()
+
+    # Exactly once in effect: one id per control id, one 2xx answer per id.
+    received = list(dev.server.received)
+    ids_by_control: dict[str, set[str]] = defaultdict(set)
+    for t in received:
+        ids_by_control[t.control_id].add(t.id)
+    acked = [cid for st in stats for cid in st.acked]
+    assert len(acked) == len(set(acked))
+    for cid in acked:
+        assert len(ids_by_control[cid]) == 1, f"{cid} reached the server under several ids"
+    assert set(dev.server.answered) >= {next(iter(ids_by_control[c])) for c in acked}
+
+    # Per-channel order: each channel's transmits arrive in seq order, and
+    # each sender's messages in the order it sent them.
+    first_seen: dict[str, list[int]] = defaultdict(list)
+    seen_ids: set[str] = set()
+    for t in received:
+        if t.id not in seen_ids:
+            seen_ids.add(t.id)
+            first_seen[t.channel].append(t.seq)
+    for channel, seqs in first_seen.items():
+        assert seqs == sorted(seqs), f"channel {channel} delivered out of order"
+    position = {t.control_id: i for i, t in reversed(list(enumerate(received)))}
+    for st in stats:
+        order = [position[c] for c in st.acked]
+        assert order == sorted(order), "a sender's messages reached the server out of order"
+
+    # Nothing accepted is missing from the database, and nothing is left undelivered.
+    rows = dict(db_rows(tmp_path / "data" / "queue.db",
+                        "SELECT state, count(*) FROM messages WHERE seq IS NOT NULL GROUP BY state"))
+    assert rows == {"processed": len(acked)}
+
+
+def test_handover_socket_is_private(tmp_path: Path) -> None:
+    """The handover socket in the data directory is 0600, like the database."""
+    port = free_port()
+    daemon = Daemon(tmp_path, toml_config(tmp_path / "data", [{"name": "adt", "listen": f"127.0.0.1:{port}"}]))
+    try:
+        daemon.start().wait_started()
+        mode = os.stat(tmp_path / "data" / "handover.sock").st_mode & 0o777
+        assert mode == 0o600
+        assert os.stat(tmp_path / "data" / "queue.db").st_mode & 0o777 == 0o600
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    finally:
+        assert daemon.stop() == 0
