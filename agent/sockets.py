@@ -295,13 +295,21 @@ async def _send_all(
 class HandoverServer:
     """Serves this process's listening sockets to a successor over a Unix socket (SCM_RIGHTS)."""
 
-    def __init__(self, path: Path, sockets: Callable[[], dict[str, socket.socket]]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        sockets: Callable[[], dict[str, socket.socket]],
+        *,
+        recheck_interval: float = 1.0,
+    ) -> None:
         """``sockets`` is asked at each request, so it always reflects the live listeners."""
         self.path = Path(path)
         self._sockets = sockets
+        self._recheck_interval = recheck_interval
         self._server_sock: socket.socket | None = None
         self._identity: tuple[int, int] | None = None
         self._accept_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
         self._conn_tasks: set[asyncio.Task[None]] = set()
         self.handed_over = asyncio.Event()
 
@@ -316,6 +324,29 @@ class HandoverServer:
         if self._server_sock is not None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._serve_on(*self._bind())
+        self._watch_task = asyncio.create_task(self._watch(), name="handover-watch")
+        log.info("handover_server_started", path=str(self.path))
+
+    async def close(self) -> None:
+        """Stop serving; remove ``path`` only while it is still ours (same inode)."""
+        watch, self._watch_task = self._watch_task, None
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+        await self._stop_accepting()
+        for conn_task in list(self._conn_tasks):
+            conn_task.cancel()
+        if self._conn_tasks:
+            await asyncio.gather(*self._conn_tasks, return_exceptions=True)
+        if self._identity is not None:
+            if self._path_identity() == self._identity:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+            self._identity = None
+
+    def _bind(self) -> tuple[socket.socket, tuple[int, int]]:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -330,40 +361,54 @@ class HandoverServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        self._identity = (st.st_dev, st.st_ino)
-        self._server_sock = sock
-        self._accept_task = asyncio.create_task(self._accept_loop(), name="handover-accept")
-        log.info("handover_server_started", path=str(self.path))
+        return sock, (st.st_dev, st.st_ino)
 
-    async def close(self) -> None:
-        """Stop serving; remove ``path`` only while it is still ours (same inode)."""
+    def _serve_on(self, sock: socket.socket, identity: tuple[int, int]) -> None:
+        self._server_sock = sock
+        self._identity = identity
+        self._accept_task = asyncio.create_task(self._accept_loop(sock), name="handover-accept")
+
+    async def _stop_accepting(self) -> None:
         task, self._accept_task = self._accept_task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for conn_task in list(self._conn_tasks):
-            conn_task.cancel()
-        if self._conn_tasks:
-            await asyncio.gather(*self._conn_tasks, return_exceptions=True)
         sock, self._server_sock = self._server_sock, None
         if sock is not None:
             sock.close()
-        if self._identity is not None:
-            try:
-                st = os.stat(self.path)
-            except FileNotFoundError:
-                pass
-            else:
-                if (st.st_dev, st.st_ino) == self._identity:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.path)
-            self._identity = None
 
-    async def _accept_loop(self) -> None:
+    def _path_identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino
+
+    async def _watch(self) -> None:
+        """Publish our server again when ``path`` vanished.
+
+        A successor that took our listeners supersedes our path; if it then
+        fails and exits (an upgrade rolled back) it removes the path, and
+        without this the next attempt would find no one to take over from and
+        fail to bind a port we still hold. A path superseded by a live
+        successor is left alone.
+        """
+        while True:
+            await asyncio.sleep(self._recheck_interval)
+            if self._path_identity() is not None:
+                continue
+            try:
+                sock, identity = self._bind()
+            except OSError as exc:
+                log.warning("handover_rebind_failed", path=str(self.path), error=str(exc))
+                continue
+            await self._stop_accepting()
+            self._serve_on(sock, identity)
+            log.info("handover_server_republished", path=str(self.path))
+
+    async def _accept_loop(self, server: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        assert self._server_sock is not None
-        server = self._server_sock
         while True:
             try:
                 conn, _ = await loop.sock_accept(server)

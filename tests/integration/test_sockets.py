@@ -291,6 +291,36 @@ class TestHandover:
 
         asyncio.run(scenario())
 
+    def test_predecessor_republishes_after_failed_successor(self, tmp_path: Path) -> None:
+        """When a successor that superseded the path exits (rolled back), the predecessor serves again."""
+        path = tmp_path / "handover.sock"
+
+        async def scenario() -> None:
+            with _listeners("adt") as socks:
+                old = HandoverServer(path, lambda: dict(socks), recheck_interval=0.02)
+                await old.start()
+                got = await receive_handover(path)
+                assert got is not None
+                new = HandoverServer(path, lambda: dict(got), recheck_interval=0.02)
+                await new.start()
+                for s in got.values():
+                    s.close()
+                await new.close()  # the failed successor removes its path
+                try:
+                    async with asyncio.timeout(5):
+                        while not path.exists():
+                            await asyncio.sleep(0.01)  # polling with a deadline
+                    again = await receive_handover(path)
+                    assert again is not None
+                    assert _port(again["adt"]) == _port(socks["adt"])
+                    for s in again.values():
+                        s.close()
+                finally:
+                    await old.close()
+                assert not path.exists()
+
+        asyncio.run(scenario())
+
     def test_empty_listener_set(self, tmp_path: Path) -> None:
         """A predecessor with no listeners hands over an empty mapping."""
         path = tmp_path / "handover.sock"
