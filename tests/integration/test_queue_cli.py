@@ -7,6 +7,7 @@ run through ``agent.cli.main`` and, for exit codes, as real subprocesses.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sqlite3
@@ -21,6 +22,7 @@ import pytest
 
 from agent import db, mllp
 from agent.cli import main
+from agent.queuecmd import Progress
 from agent.store import AuditItem, IntakeItem, LeaseHolder, SqliteStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -682,3 +684,41 @@ class TestLocked:
             blocker.close()
         assert code == 1 and "locked" in err and err.count("\n") == 1
         assert queue.state(queue.ids["adt2"]) == "failed"
+
+
+class TestJsonSchemas:
+    def test_list_json_matches_schema(
+        self, queue: Queue, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """`queue list --json` (with and without bodies) validates against docs/queue-list.schema.json."""
+        schema = load_schema("queue-list.schema.json")
+        for extra in ([], ["--show-body"]):
+            _, out, _ = run(queue, capsys, "queue", "list", "--json", *extra)
+            check_schema(json.loads(out), schema, schema)
+
+    def test_show_json_matches_schema(
+        self, queue: Queue, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """`queue show --json` of every row validates against docs/queue-show.schema.json."""
+        schema = load_schema("queue-show.schema.json")
+        for message_id in queue.ids.values():
+            _, out, _ = run(queue, capsys, "queue", "show", message_id, "--json")
+            check_schema(json.loads(out), schema, schema)
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class TestProgress:
+    def test_progress_only_on_a_terminal(self) -> None:
+        """Progress is drawn in place on a terminal and stays silent when piped."""
+        tty, pipe = _Tty(), io.StringIO()
+        for stream in (tty, pipe):
+            progress = Progress("purge processed", 1500, stream=stream)
+            progress.advance(1000)
+            progress.advance(500)
+            progress.close()
+        assert tty.getvalue() == "\rpurge processed 1000/1500\rpurge processed 1500/1500\n"
+        assert pipe.getvalue() == ""
