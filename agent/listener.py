@@ -41,6 +41,8 @@ _connection_ids = count(1)
 #: Frames of one connection handled ahead of their ACK write (pipelining bound).
 MAX_PIPELINED_FRAMES = 32
 READ_CHUNK = 256 * 1024
+#: Matches sockets.bind_listener and the systemd socket unit's Backlog=.
+LISTEN_BACKLOG = 1024
 
 
 @dataclass
@@ -104,8 +106,10 @@ class ChannelListener:
 
     async def start(self) -> None:
         self.sock.setblocking(False)
+        # asyncio calls listen() again: keep the shared socket's deep backlog
+        # (a successor shares this accept queue during an upgrade).
         self._server = await asyncio.start_server(
-            self._accept, sock=self.sock, ssl=self._ssl, limit=READ_CHUNK
+            self._accept, sock=self.sock, ssl=self._ssl, limit=READ_CHUNK, backlog=LISTEN_BACKLOG
         )
 
     @property

@@ -18,7 +18,7 @@ import contextlib
 import signal
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -32,6 +32,9 @@ from agent.relay import AckRelay
 from agent.sdnotify import Notifier
 from agent.store import SqliteStore
 from agent.writer import Reader, Writer
+
+if TYPE_CHECKING:
+    from agent.dispatcher import Dispatcher
 
 log = structlog.get_logger(__name__)
 
@@ -85,7 +88,7 @@ class Agent:
         self.relay: AckRelay | None = None
         self.handover: sockets.HandoverServer | None = None
         self.admin: AdminServer | None = None
-        self.dispatcher: Any = None
+        self.dispatcher: Dispatcher | None = None
         self.tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
@@ -175,9 +178,9 @@ class Agent:
         try:
             self.writer.submit(lambda s: s.probe_write()).result(timeout=2.0)
         except TimeoutError:
-            return False, "database write probe timed out (locked or slow disk)"
+            return False, "write probe timed out (locked or slow disk)"
         except Exception as exc:  # noqa: BLE001 - any failure means not writable
-            return False, f"database not writable: {exc}"
+            return False, str(exc)
         return True, "ok"
 
     def _upstream_state(self) -> dict[str, Any]:
@@ -258,8 +261,8 @@ class Agent:
         return f"listening on {len(self.listeners)} channel(s); {up}{held}"
 
     async def _watchdog(self) -> None:
-        interval = self.notifier.watchdog_interval()
-        period = min(interval / 2, 10.0) if interval else 10.0
+        interval = self.notifier.watchdog_interval()  # already half of WATCHDOG_USEC
+        period = min(interval, 10.0) if interval else 10.0
         last_status = ""
         while True:
             if interval:
