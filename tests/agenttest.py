@@ -299,3 +299,21 @@ __all__ = [
     "Answer", "Daemon", "DevServerThread", "MllpClient", "REPO_ROOT", "ack_code", "db_rows", "err3",
     "free_port", "hl7_message", "http_get", "msa2", "toml_config", "wait_for",
 ]
+
+
+def make_test_pki(directory: Path) -> Path:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate (openssl CLI)."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=30)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+            "-subj", "/CN=hl7-agent test CA")
+    (directory / "server.ext").write_text("subjectAltName=IP:127.0.0.1\n", encoding="ascii")
+    (directory / "client.ext").write_text("extendedKeyUsage=clientAuth\n", encoding="ascii")
+    for name in ("server", "client"):
+        openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext")
+    return directory

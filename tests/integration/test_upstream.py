@@ -6,13 +6,13 @@ import asyncio
 import json
 import shutil
 import ssl
-import subprocess
 from collections.abc import AsyncIterator, Callable, Coroutine, MutableMapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from agenttest import make_test_pki
 from structlog.testing import capture_logs
 from websockets.asyncio.client import connect as ws_connect
 from websockets.asyncio.server import ServerConnection, serve
@@ -529,28 +529,12 @@ class TestProxy:
         run(scenario())
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not available")
-    d = tmp_path_factory.mktemp("pki")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-             "-subj", "/CN=hl7-agent test CA", cwd=d)  # fmt: skip
-    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1\n", encoding="ascii")
-    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n", encoding="ascii")
-    for name in ("server", "client"):
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN={name}", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
-                 "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
-    return d
+    return make_test_pki(tmp_path_factory.mktemp("pki"))
 
 
 def server_tls(pki: Path, *, require_client_cert: bool = False) -> ssl.SSLContext:

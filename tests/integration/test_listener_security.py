@@ -1,0 +1,115 @@
+"""Channel security keys work for real, never silently ignored (SPEC 3): MLLP over TLS, client certificates, allowed_sources."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from agenttest import ack_code, hl7_message, make_test_pki
+
+from agent import mllp
+from agent.config import AdminSettings, AgentSettings, ChannelSettings, Settings
+from agent.service import Agent
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not available")
+    return make_test_pki(tmp_path_factory.mktemp("pki"))
+
+
+def run_with_agent(tmp_path: Path, channel: ChannelSettings,
+                   scenario: Callable[[int], Awaitable[None]]) -> None:
+    """Start the daemon in-process on port 0, run ``scenario(port)``, stop it."""
+
+    async def main() -> None:
+        settings = Settings(agent=AgentSettings(id="sec", data_dir=tmp_path / "data"),
+                            admin=AdminSettings(listen=None), channels=[channel])
+        agent = Agent(settings)
+        await agent.start()
+        try:
+            await scenario(agent.listeners[0].sock.getsockname()[1])
+        finally:
+            agent.stop_requested.set()
+            await agent.shutdown()
+
+    asyncio.run(main())
+
+
+async def exchange(port: int, message: bytes, *, tls: ssl.SSLContext | None = None) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls)
+    try:
+        writer.write(mllp.encode_frame(message))
+        await writer.drain()
+        decoder = mllp.MllpDecoder(1 << 20)
+        async with asyncio.timeout(10):
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    raise ConnectionError("closed without an ACK")
+                frames = [e for e in decoder.feed(data) if isinstance(e, mllp.Frame)]
+                if frames:
+                    return frames[0].payload
+    finally:
+        writer.close()
+
+
+def client_tls(pki: Path, *, with_cert: bool) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    if with_cert:
+        context.load_cert_chain(pki / "client.pem", pki / "client.key")
+    return context
+
+
+class TestTlsChannel:
+    def test_mllp_over_tls(self, tmp_path: Path, pki: Path) -> None:
+        """tls_cert/tls_key: the sender verifies our certificate and gets AA over TLS; plain TCP gets nothing."""
+        channel = ChannelSettings(name="adt", listen="127.0.0.1:0", tls_cert=pki / "server.pem",
+                                  tls_key=pki / "server.key")
+
+        async def scenario(port: int) -> None:
+            ack = await exchange(port, hl7_message("TLS1"), tls=client_tls(pki, with_cert=False))
+            assert ack_code(ack) == "AA"
+            with pytest.raises((ConnectionError, OSError, TimeoutError)):
+                await exchange(port, hl7_message("PLAIN"))
+
+        run_with_agent(tmp_path, channel, scenario)
+
+    def test_client_certificate_required(self, tmp_path: Path, pki: Path) -> None:
+        """tls_client_ca: a sender without a client certificate is refused; with one it gets AA."""
+        channel = ChannelSettings(name="adt", listen="127.0.0.1:0", tls_cert=pki / "server.pem",
+                                  tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem")
+
+        async def scenario(port: int) -> None:
+            with pytest.raises((ConnectionError, OSError, ssl.SSLError)):
+                await exchange(port, hl7_message("NOCERT"), tls=client_tls(pki, with_cert=False))
+            ack = await exchange(port, hl7_message("CERT"), tls=client_tls(pki, with_cert=True))
+            assert ack_code(ack) == "AA"
+
+        run_with_agent(tmp_path, channel, scenario)
+
+
+class TestAllowedSources:
+    def test_sender_outside_allowed_sources_is_closed_unanswered(self, tmp_path: Path) -> None:
+        """A peer outside allowed_sources is closed without an ACK; nothing is stored."""
+        channel = ChannelSettings(name="adt", listen="127.0.0.1:0", allowed_sources=["10.0.0.0/8"])
+
+        async def scenario(port: int) -> None:
+            with pytest.raises(ConnectionError):
+                await exchange(port, hl7_message("DENIED"))
+
+        run_with_agent(tmp_path, channel, scenario)
+
+    def test_sender_inside_allowed_sources_is_served(self, tmp_path: Path) -> None:
+        """127.0.0.0/8 in allowed_sources lets a loopback sender through."""
+        channel = ChannelSettings(name="adt", listen="127.0.0.1:0", allowed_sources=["127.0.0.0/8"])
+
+        async def scenario(port: int) -> None:
+            assert ack_code(await exchange(port, hl7_message("ALLOWED"))) == "AA"
+
+        run_with_agent(tmp_path, channel, scenario)
