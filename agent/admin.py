@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from agent.errors import ConfigError
+from agent.errors import AdminListenInUse, ConfigError
 from agent.health import format_listen, parse_listen
 from agent.metrics import AgentMetrics
 from agent.statuspage import render_status_page
@@ -69,14 +69,6 @@ _SECURITY_HEADERS = (
     ("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'"),
     ("Referrer-Policy", "no-referrer"),
 )
-
-
-class AdminListenInUse(ConfigError):
-    """The admin address is taken (often: two overlapping versions, one admin port).
-
-    A configuration problem: each version needs its own HL7_AGENT_ADMIN__LISTEN
-    (SPEC 7). Local subclass until agent.errors grows one.
-    """
 
 
 @dataclass

@@ -7,6 +7,8 @@ a local one an AR/CE "resend later".
 
     AgentError
     ├── ConfigError                 invalid configuration (exit 2)
+    │   ├── UsageError              a command-line flag or combination that cannot work
+    │   └── AdminListenInUse        the admin address is taken (overlap: one each)
     ├── LocalError                  our side failed; the peer may retry
     │   ├── StorageError            SQLite refused or failed a write
     │   │   └── DatabaseLocked      busy beyond busy_timeout
@@ -31,6 +33,14 @@ class AgentError(Exception):
 
 class ConfigError(AgentError):
     """The configuration is invalid; the message names the key and the fix."""
+
+
+class UsageError(ConfigError):
+    """A flag value or combination a command cannot use (exit 2, like any usage error)."""
+
+
+class AdminListenInUse(ConfigError):
+    """The admin address is taken: two overlapping versions each need their own (SPEC 7)."""
 
 
 class LocalError(AgentError):

@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from agent import db, states
 from agent.config import Settings, parse_duration
-from agent.errors import ConfigError, DatabaseLocked, IncompatibleDatabase, StorageError
+from agent.errors import DatabaseLocked, IncompatibleDatabase, StorageError, UsageError
 from agent.mllp import encode_frame
 from agent.store import SqliteStore, rfc3339
 
@@ -53,14 +53,6 @@ PURGEABLE = ("processed", "rejected", "failed", "nacked")
 REDRIVABLE = ("failed", "rejected")
 
 Command = Callable[[Settings, argparse.Namespace], int]
-
-
-class UsageError(ConfigError):
-    """A flag value or combination the command cannot use: exit 2 through ``agent.cli``.
-
-    Subclasses ConfigError only because that is what the CLI maps to exit 2;
-    a dedicated ``UsageError`` in ``agent.errors`` would be the better home.
-    """
 
 
 # -- plumbing ------------------------------------------------------------------
