@@ -164,8 +164,8 @@ class Agent:
             agent_id=self.settings.agent.id,
             version=__version__,
             started_at=self.started_at,
-            listeners_up=lambda: bool(self.listeners) and all(lst.serving for lst in self.listeners)
-            or (not self.settings.channels),
+            listeners_up=lambda: (bool(self.listeners) and all(lst.serving for lst in self.listeners))
+            or not self.settings.channels,
             db_writable=self._db_writable,
             upstream_state=self._upstream_state,
             lease_held=lambda: bool(self.dispatcher is not None and self.dispatcher.lease_held),
@@ -194,7 +194,8 @@ class Agent:
         refuse_unsupported_security(s)
         self._loop = asyncio.get_running_loop()
         self._open_database()
-        assert self.writer is not None and self.reader is not None
+        assert self.writer is not None
+        assert self.reader is not None
         self.relay = AckRelay(self.reader)
         ctx = IntakeContext(
             writer=self.writer,
@@ -275,7 +276,8 @@ class Agent:
 
     async def _maintenance(self) -> None:
         """WAL checkpoint when dirty and the retention sweep, in every process (not lease-bound)."""
-        assert self.writer is not None and self.reader is not None
+        assert self.writer is not None
+        assert self.reader is not None
         q = self.settings.queue
         last_retention = 0.0
         last_optimize = time.time()
