@@ -150,10 +150,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     from agent.config import render_effective
 
-    settings = _settings(args)
-    sys.stdout.write(render_effective(settings))
-    if not render_effective(settings).endswith("\n"):
-        sys.stdout.write("\n")
+    text = render_effective(_settings(args))
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
     return EXIT_OK
 
 
