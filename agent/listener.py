@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from itertools import count
 from typing import TYPE_CHECKING, Any
@@ -183,8 +184,15 @@ class Connection:
         self.remote = remote
         self.conn_id = next(_connection_ids)
         self.decoder = mllp.MllpDecoder(self.channel.max_message_bytes)
-        self.replies: asyncio.Queue[asyncio.Task[Reply] | None] = asyncio.Queue(MAX_PIPELINED_FRAMES)
+        # Unbounded so the end-of-stream sentinel can always be put, even when
+        # the ACK writer is gone; ``slots`` bounds the frames in progress.
+        self.replies: asyncio.Queue[asyncio.Task[Reply] | None] = asyncio.Queue()
+        self.slots = asyncio.Semaphore(MAX_PIPELINED_FRAMES)
         self.pending_frames = 0
+        #: Frames (whole or oversize) handed to handling so far.
+        self.frames_completed = 0
+        #: Once closing: the frame count at which reading stops (SPEC 7).
+        self.finish_upto: int | None = None
         self.write_lock = asyncio.Lock()
         self.closing = asyncio.Event()
         self.closed = False
@@ -209,7 +217,9 @@ class Connection:
         except (ConnectionError, OSError) as exc:
             self.log.info("connection_lost", error=str(exc))
         finally:
-            await self.replies.put(None)
+            # Never block here: a full bounded queue whose consumer was
+            # cancelled (loop teardown) would hang the process at exit.
+            self.replies.put_nowait(None)
             with contextlib.suppress(Exception):
                 await ack_writer
             if self.closing.is_set() and not self.closed:
@@ -262,17 +272,44 @@ class Connection:
                 self.log.info("connection_idle_timeout", idle_timeout=idle)
                 return b""
             # Asked to close: finish a frame that is being read, else stop now.
-            if self.decoder.mid_frame:
-                return await read
-            return b""
+            if self._stop_reading():
+                return b""
+            return await read
         finally:
             for fut in (read, closing):
                 if not fut.done():
                     fut.cancel()
 
+    def _stop_reading(self) -> bool:
+        """Aborted, or closing and the frame being received when the close came is complete.
+
+        SPEC 7: on shutdown a connection finishes the message it is reading
+        and no more. A sender that pipelines never looks idle, so "stop when
+        not mid-frame" could keep it reading until the budget runs out; the
+        frame count fixed at the first look after the close bounds it to the
+        frames already received plus the one in progress.
+        """
+        if self.closed:
+            return True
+        if not self.closing.is_set():
+            return False
+        if self.finish_upto is None:
+            self.finish_upto = self.frames_completed + (1 if self.decoder.mid_frame else 0)
+        return self.frames_completed >= self.finish_upto
+
+    def _stop_between_frames(self) -> bool:
+        """Closing, at a frame boundary inside a chunk: handle nothing past the frame in progress."""
+        if not self.closing.is_set():
+            return False
+        if self.finish_upto is None:
+            self.finish_upto = self.frames_completed  # between two frames: none is in progress
+        return self.frames_completed >= self.finish_upto
+
     async def _read_frames(self) -> None:
         while True:
-            if self.closing.is_set() and not self.decoder.mid_frame:
+            if self._stop_reading():
+                if self.decoder.mid_frame and not self.closed:
+                    self.log.info("frame_after_close_dropped", buffered=self.decoder.buffered_bytes())
                 return
             data = await self._read_chunk()
             if not data:
@@ -280,18 +317,28 @@ class Connection:
                     self.log.warning("connection_closed_mid_frame", buffered=self.decoder.buffered_bytes())
                 return
             for event in self.decoder.feed(data):
+                if self.closed:
+                    return  # aborted: frames still buffered are not handled (no ACK could go out)
+                if isinstance(event, (mllp.Frame, mllp.OversizeFrame)) and self._stop_between_frames():
+                    # Received but not handled: no ACK, so the sender resends it elsewhere.
+                    self.log.info("frames_after_close_dropped")
+                    return
                 received_at = time.time()
                 if isinstance(event, mllp.Frame):
-                    await self._enqueue(self._handle_frame(event.payload, received_at))
+                    self.frames_completed += 1
+                    await self._enqueue(functools.partial(self._handle_frame, event.payload, received_at))
                 elif isinstance(event, mllp.OversizeFrame):
-                    await self._enqueue(self._handle_oversize(event, received_at))
+                    self.frames_completed += 1
+                    await self._enqueue(functools.partial(self._handle_oversize, event, received_at))
                 elif not self.junk_logged:
                     self.junk_logged = True
                     self.log.warning("bytes_outside_frame_skipped", count=event.count)
 
-    async def _enqueue(self, coro: Any) -> None:
+    async def _enqueue(self, handle: Callable[[], Coroutine[Any, Any, Reply]]) -> None:
+        """Start handling a frame once a pipelining slot is free; its ACK is written in arrival order."""
+        await self.slots.acquire()
         self.pending_frames += 1
-        await self.replies.put(asyncio.create_task(coro))
+        self.replies.put_nowait(asyncio.create_task(handle()))
 
     async def _write_replies(self) -> None:
         while True:
@@ -305,6 +352,7 @@ class Connection:
                 reply = Reply()
             finally:
                 self.pending_frames -= 1
+                self.slots.release()
             for ack, on_written in reply.acks:
                 ok = await self._write_ack(ack)
                 if on_written is not None:

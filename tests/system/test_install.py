@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import urllib.error
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +76,7 @@ class Installed:
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     """Run the README's set-up steps (venv + non-editable ``pip install .``) in a copy of the repo."""
     import time
 
@@ -90,19 +89,19 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
         argv = shlex.split(step)
         if argv[0] in ("python3", "python"):
             argv[0] = sys.executable  # the interpreter under test (python3 may be older than 3.11)
-        proc = subprocess.run(  # noqa: S603 - the README's own command
+        proc = subprocess.run(
             argv, cwd=src, env=clean_env(), capture_output=True, text=True, timeout=300, check=False
         )
         assert proc.returncode == 0, f"README step {step!r} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     venv = src / ".venv"
     assert (venv / "bin" / "hl7-agent").exists()
-    yield Installed(src, venv, steps[-1], time.monotonic() - started)
+    return Installed(src, venv, steps[-1], time.monotonic() - started)
 
 
 class TestStdlibQueueNotShadowed:
     def test_repo_root_on_sys_path_keeps_the_stdlib_queue(self) -> None:
         """Run from the repo root (``''`` first on sys.path), ``import queue`` is still the standard library."""
-        proc = subprocess.run(  # noqa: S603
+        proc = subprocess.run(
             [sys.executable, "-c", QUEUE_CHECK], cwd=REPO_ROOT, env=clean_env(),
             capture_output=True, text=True, timeout=60, check=False,
         )
@@ -115,7 +114,7 @@ class TestStdlibQueueNotShadowed:
 
     def test_installed_package_keeps_the_stdlib_queue(self, installed: Installed, tmp_path: Path) -> None:
         """The non-editable install, run from an unrelated folder, imports the stdlib queue and the agent."""
-        proc = subprocess.run(  # noqa: S603
+        proc = subprocess.run(
             [installed.python, "-c", QUEUE_CHECK + "; import agent; print(agent.__file__)"],
             cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60, check=False,
         )
@@ -131,7 +130,7 @@ class TestInstalledCommands:
 
     def test_version(self, installed: Installed, tmp_path: Path) -> None:
         """``hl7-agent --version`` works from any folder and names the distribution's version."""
-        proc = subprocess.run(  # noqa: S603
+        proc = subprocess.run(
             [installed.hl7_agent, "--version"], cwd=tmp_path, env=clean_env(),
             capture_output=True, text=True, timeout=60, check=False,
         )
@@ -140,7 +139,7 @@ class TestInstalledCommands:
 
     def test_check_config_of_the_example(self, installed: Installed, tmp_path: Path) -> None:
         """``check-config`` accepts the shipped example config from an unrelated folder (SQL and all)."""
-        proc = subprocess.run(  # noqa: S603
+        proc = subprocess.run(
             [installed.hl7_agent, "check-config", "--config", str(REPO_ROOT / "config" / "agent.example.toml")],
             cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60, check=False,
         )
@@ -160,7 +159,7 @@ class TestInstalledCommands:
         )
         log_path = tmp_path / "agent.log"
         with log_path.open("wb") as log:
-            proc = subprocess.Popen(  # noqa: S603 - the README's own command
+            proc = subprocess.Popen(
                 shlex.split(installed.run_step), cwd=installed.src, env=env, stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -175,7 +174,7 @@ class TestInstalledCommands:
 
             wait_for(healthy, 30, interval=0.1, what="/healthz 200")
             sample = REPO_ROOT / "tests" / "data" / "adt_a01_v23_cr.hl7"
-            sent = subprocess.run(  # noqa: S603
+            sent = subprocess.run(
                 [installed.hl7_agent, "send", "--port", str(mllp_port), "--timeout", "10", str(sample)],
                 cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60, check=False,
             )
@@ -187,7 +186,7 @@ class TestInstalledCommands:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-        queued = subprocess.run(  # noqa: S603
+        queued = subprocess.run(
             [installed.python, "-c",
              "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]);"
              "print(c.execute(\"SELECT state, control_id FROM messages\").fetchall())",
