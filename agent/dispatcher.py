@@ -9,7 +9,10 @@ independently over the one shared session.
 Only the lease holder dispatches; every write is fenced on the lease epoch
 (the store raises LeaseLost when the fence fails), and ``inflight`` is
 committed before the frame is written, so a crash can never hide a sent
-frame as unsent. Recovery (after a crash, a response timeout or a lost
+frame as unsent. Only the lease holder is connected upstream, too: the link is
+opened when the lease is taken and closed before it is released, so the
+server sees one session of this agent at a time, also during an upgrade
+overlap (SPEC 7: no gap, no duplicate, no reordering). Recovery (after a crash, a response timeout or a lost
 connection): an ``inflight`` row is resent with the same id when the server
 announced ``replay``; otherwise it goes to ``failed`` for review, or back to
 ``queued`` on a ``guaranteed_delivery`` channel.
@@ -21,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -70,7 +74,7 @@ class Dispatcher:
         relay: AckRelay | None,
         metrics: AgentMetrics | None = None,
         *,
-        link: UpstreamLink | None = None,
+        link_factory: Callable[[], UpstreamLink] | None = None,
     ) -> None:
         self.settings = settings
         self.writer = writer
@@ -83,15 +87,29 @@ class Dispatcher:
         self.stopping = asyncio.Event()
         self._wake: dict[str, asyncio.Event] = {c.name: asyncio.Event() for c in settings.channels}
         self._inflight: dict[str, _InFlight] = {}
-        self._too_big_victims: dict[int, str | None] = {}
+        # Keyed by the session object itself: an id() could be reused by a later session.
+        self._too_big_victims: weakref.WeakKeyDictionary[Session, str | None] = weakref.WeakKeyDictionary()
         self._sending: set[str] = set()
-        server = settings.server
-        largest = max((c.max_message_bytes for c in settings.channels), default=1_048_576)
-        self.link = link or UpstreamLink(
+        # Read once at start, as before: a broken token_file fails the start, not a takeover.
+        self._token = settings.server.token_value()
+        self._link_factory = link_factory or self._new_link
+        self.link: UpstreamLink | None = None
+        self._link_task: asyncio.Task[None] | None = None
+        self._link_lock = asyncio.Lock()
+        #: Set while no lease tenure runs (stop() waits for it before releasing).
+        self._tenure_over = asyncio.Event()
+        self._tenure_over.set()
+        self.log = log.bind(holder=self.me.holder)
+
+    def _new_link(self) -> UpstreamLink:
+        """One link per lease tenure (an UpstreamLink is not restartable after close)."""
+        server = self.settings.server
+        largest = max((c.max_message_bytes for c in self.settings.channels), default=1_048_576)
+        return UpstreamLink(
             LinkSettings(
                 url=server.url or "",
-                token=server.token_value(),
-                agent_id=settings.agent.id,
+                token=self._token,
+                agent_id=self.settings.agent.id,
                 version=__version__,
                 connect_timeout=server.connect_timeout,
                 ping_interval=server.ping_interval,
@@ -104,14 +122,31 @@ class Dispatcher:
             ),
             on_connected_change=self._connected_changed,
         )
-        self._link_task: asyncio.Task[None] | None = None
-        self.log = log.bind(holder=self.me.holder)
+
+    def _open_link(self) -> UpstreamLink:
+        link = self._link_factory()
+        self.link = link
+        self._link_task = asyncio.create_task(link.run(), name="upstream-link")
+        return link
+
+    async def _close_link(self) -> None:
+        """Close the upstream session (if any) and wait until it is gone; idempotent."""
+        async with self._link_lock:
+            link, task = self.link, self._link_task
+            self._link_task = None
+            if link is not None:
+                await link.close()
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            if self.link is link:
+                self.link = None
 
     # -- status --------------------------------------------------------------
 
     @property
     def connected(self) -> bool:
-        return self.link.connected
+        return self.link is not None and self.link.connected
 
     def _connected_changed(self, up: bool) -> None:
         if self.metrics is not None:
@@ -121,13 +156,14 @@ class Dispatcher:
                 event.set()
 
     def upstream_state(self) -> dict[str, Any]:
-        session = self.link.current()
+        link = self.link
+        session = link.current() if link is not None else None
         return {
             "configured": True,
             "connected": session is not None,
             "url": self.settings.server.url,
             "replay": session.replay if session is not None else None,
-            "last_error": self.link.last_error,
+            "last_error": link.last_error if link is not None else None,
         }
 
     def wake(self, channel: str) -> None:
@@ -139,7 +175,6 @@ class Dispatcher:
     # -- lease loop ----------------------------------------------------------
 
     async def run(self) -> None:
-        self._link_task = asyncio.create_task(self.link.run(), name="upstream-link")
         d = self.settings.dispatch
         try:
             while not self.stopping.is_set():
@@ -149,32 +184,49 @@ class Dispatcher:
                     continue
                 self.epoch = epoch
                 self._set_lease_held(True)
+                self._tenure_over.clear()
                 self.log.info("lease_acquired", epoch=epoch)
+                link = self._open_link()
+                lost = False
                 try:
                     recovered = await self._store(lambda s: s.recover_claimed(self.me.holder, epoch))
                     if recovered:
                         self.log.info("claimed_rows_requeued", rows=recovered)
-                    await self._dispatch_under_lease(epoch)
+                    await self._dispatch_under_lease(epoch, link)
                 except* LeaseLost:
+                    lost = True
                     self.log.warning("lease_lost", epoch=epoch)
                 finally:
+                    # The session goes before the lease: a successor never
+                    # overlaps with us on the server.
+                    await self._close_link()
+                    if not lost and self.stopping.is_set():
+                        await self._release(epoch)
                     self._set_lease_held(False)
+                    self._tenure_over.set()
         finally:
-            await self.link.close()
-            if self._link_task is not None:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await self._link_task
+            await self._close_link()
+            self._tenure_over.set()
+
+    async def _release(self, epoch: int) -> None:
+        """Requeue our claimed rows and free the lease, so a peer takes over at once."""
+        with contextlib.suppress(Exception):
+            await self._store(lambda s: s.recover_claimed(self.me.holder, epoch))
+        with contextlib.suppress(Exception):
+            released = await self._store(lambda s: s.release_lease(self.me.holder, epoch))
+            if released:
+                self.log.info("lease_released", epoch=epoch)
 
     def _set_lease_held(self, held: bool) -> None:
         self.lease_held = held
         if self.metrics is not None:
             self.metrics.set_lease_held(held)
 
-    async def _dispatch_under_lease(self, epoch: int) -> None:
+    async def _dispatch_under_lease(self, epoch: int, link: UpstreamLink) -> None:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._heartbeat(epoch), name="lease-heartbeat")
             for channel in self.settings.channels:
-                group.create_task(self._channel_worker(channel, epoch), name=f"dispatch-{channel.name}")
+                group.create_task(self._channel_worker(channel, epoch, link), name=f"dispatch-{channel.name}")
 
     async def _heartbeat(self, epoch: int) -> None:
         d = self.settings.dispatch
@@ -203,14 +255,15 @@ class Dispatcher:
             await asyncio.sleep(0.02)
         if self._sending:
             self.log.warning("inflight_unanswered_at_stop", rows=len(self._sending))
+        # Unanswered transmits now fail with SessionClosed and get SPEC 6's
+        # recovery from their workers; then run() releases the lease.
+        await self._close_link()
+        if not (force and force.is_set()):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._tenure_over.wait(), max(0.1, deadline - time.monotonic()))
         epoch = self.epoch
         if self.lease_held and epoch is not None:
-            with contextlib.suppress(Exception):
-                await self._store(lambda s: s.recover_claimed(self.me.holder, epoch))
-            with contextlib.suppress(Exception):
-                released = await self._store(lambda s: s.release_lease(self.me.holder, epoch))
-                if released:
-                    self.log.info("lease_released", epoch=epoch)
+            await self._release(epoch)
         self._set_lease_held(False)
 
     # -- helpers -------------------------------------------------------------
@@ -246,7 +299,7 @@ class Dispatcher:
 
     # -- the channel worker --------------------------------------------------
 
-    async def _channel_worker(self, channel: ChannelSettings, epoch: int) -> None:
+    async def _channel_worker(self, channel: ChannelSettings, epoch: int, link: UpstreamLink) -> None:
         wlog = self.log.bind(channel=channel.name)
         name = channel.name
         while not self.stopping.is_set():
@@ -280,7 +333,7 @@ class Dispatcher:
                 if not claimed:
                     continue
             try:
-                session = await self._until_stopping(self.link.session())
+                session = await self._until_stopping(link.session())
             except _Stopping:
                 return
             if self.stopping.is_set():
@@ -367,12 +420,11 @@ class Dispatcher:
 
     def _too_big_victim(self, session: Session) -> str | None:
         """SPEC 5: a 1009 close rejects the largest transmit in flight on that session."""
-        key = id(session)
-        if key not in self._too_big_victims:
+        if session not in self._too_big_victims:
             candidates = [f for f in self._inflight.values() if f.session is session]
             victim = max(candidates, key=lambda f: f.size).message_id if candidates else None
-            self._too_big_victims[key] = victim
-        return self._too_big_victims[key]
+            self._too_big_victims[session] = victim
+        return self._too_big_victims[session]
 
     async def _recover_after_loss(
         self, channel: ChannelSettings, epoch: int, head: HeadRow, attempt: int,
