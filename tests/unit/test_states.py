@@ -1,0 +1,146 @@
+"""The frozen state set and its transition table, against the schema and the SQL that moves rows (SPEC 6)."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from agent import db, states
+
+
+def schema_sql() -> str:
+    return "\n".join(sql for _number, sql in db.load_migrations())
+
+
+def check_list(column: str) -> set[str]:
+    """The values of ``CHECK (<column> IN (...))`` in the migrations."""
+    match = re.search(rf"\b{column}\b[^,]*?CHECK \({column} IN\s*\(([^)]*)\)\)", schema_sql(), re.DOTALL)
+    assert match, f"no CHECK on {column}"
+    return set(re.findall(r"'([a-z_]+)'", match.group(1)))
+
+
+def state_updates() -> dict[str, tuple[set[str], set[str]]]:
+    """Named queries that set ``state``: name -> (target states, guarded source states)."""
+    found: dict[str, tuple[set[str], set[str]]] = {}
+    for name, raw in db.load_queries().items():
+        sql = "\n".join(line for line in raw.splitlines() if not line.lstrip().startswith("--"))
+        if not re.match(r"\s*UPDATE messages\b", sql):
+            continue
+        target = re.search(r"SET state = (?:'([a-z]+)'|:state)", sql)
+        if target is None:
+            continue
+        targets = {target.group(1)} if target.group(1) else set()
+        where = sql[sql.index("WHERE"):]
+        sources: set[str] = set()
+        for single in re.findall(r"\bstate = '([a-z]+)'", where):
+            sources.add(single)
+        for listed in re.findall(r"\bstate IN \(([^)]*)\)", where):
+            sources.update(re.findall(r"'([a-z]+)'", listed))
+        found[name] = (targets, sources)
+    return found
+
+
+class TestStateSet:
+    def test_schema_check_equals_the_frozen_set(self) -> None:
+        """The messages.state CHECK holds exactly agent.states.ALL."""
+        assert check_list("state") == set(states.ALL)
+
+    def test_ack_outcome_check_equals_the_code(self) -> None:
+        """The messages.ack_outcome CHECK holds exactly agent.states.ACK_OUTCOMES."""
+        assert check_list("ack_outcome") == set(states.ACK_OUTCOMES)
+
+    def test_database_refuses_an_unknown_state(self, tmp_path: Path) -> None:
+        """An INSERT with a state outside the set fails in SQLite itself."""
+        conn = db.open_database(tmp_path / "q.db", "states-test", db.DatabaseOptions(), 0.0)
+        try:
+            with pytest.raises(sqlite3.IntegrityError):
+                conn.execute(
+                    "INSERT INTO messages (id, channel, state, remote, body, body_sha256, received_at, updated_at)"
+                    " VALUES ('x', 'adt', 'lost', 'r', x'00', 'h', 0, 0)"
+                )
+        finally:
+            conn.close()
+
+    def test_the_set_is_the_specs_and_frozen(self) -> None:
+        """The seven SPEC 6 states, in lifecycle order, with live and settled groups disjoint."""
+        assert states.ALL == ("queued", "claimed", "inflight", "processed", "rejected", "failed", "nacked")
+        assert {"queued", "claimed", "inflight"} == states.LIVE
+        assert {"processed", "rejected", "failed"} == states.SETTLED
+        assert not states.LIVE & states.SETTLED
+        assert states.NEVER_PURGED == states.LIVE
+
+
+class TestTransitions:
+    def test_table_covers_every_state_and_only_known_ones(self) -> None:
+        """Every state has an entry, and every target is a known state."""
+        assert set(states.TRANSITIONS) == set(states.ALL)
+        for targets in states.TRANSITIONS.values():
+            assert targets <= set(states.ALL)
+
+    @pytest.mark.parametrize(
+        ("old", "new"),
+        [("queued", "claimed"), ("claimed", "inflight"), ("claimed", "queued"), ("inflight", "processed"),
+         ("inflight", "rejected"), ("inflight", "failed"), ("inflight", "queued"), ("inflight", "inflight"),
+         ("failed", "queued"), ("rejected", "queued"), ("queued", "failed"), ("queued", "rejected")],
+    )
+    def test_legal_moves(self, old: str, new: str) -> None:
+        """The moves SPEC 6 describes are allowed."""
+        states.check_transition(old, new)
+
+    @pytest.mark.parametrize(
+        ("old", "new"),
+        [("queued", "inflight"), ("queued", "processed"), ("processed", "queued"), ("nacked", "queued"),
+         ("claimed", "processed"), ("processed", "failed"), ("queued", "nacked"), ("inflight", "nacked"),
+         ("bogus", "queued")],
+    )
+    def test_illegal_moves_raise(self, old: str, new: str) -> None:
+        """Anything else raises IllegalTransition, a local error (our bug)."""
+        with pytest.raises(states.IllegalTransition, match=f"{old}.*{new}"):
+            states.check_transition(old, new)
+
+    def test_nacked_and_processed_are_final(self) -> None:
+        """Audit rows and processed rows never move; nothing moves into nacked (it is only inserted)."""
+        assert states.TRANSITIONS["nacked"] == frozenset()
+        assert states.TRANSITIONS["processed"] == frozenset()
+        assert all("nacked" not in targets for targets in states.TRANSITIONS.values())
+
+    def test_only_operator_redrive_leaves_failed_or_rejected(self) -> None:
+        """failed and rejected go back to queued only (operator re-drive), never straight to the server."""
+        assert states.TRANSITIONS["failed"] == {"queued"}
+        assert states.TRANSITIONS["rejected"] == {"queued"}
+
+
+class TestSqlFollowsTheTable:
+    def test_every_state_update_is_guarded(self) -> None:
+        """Every named query that sets a state names the states it moves from (guarded UPDATE)."""
+        updates = state_updates()
+        assert updates, "no state-changing queries found"
+        for name, (_targets, sources) in updates.items():
+            assert sources, f"query {name} sets state without a state guard"
+            assert sources <= set(states.ALL), (name, sources)
+
+    def test_every_literal_move_is_in_the_table(self) -> None:
+        """Each (guarded source, literal target) pair of the SQL is a legal transition."""
+        for name, (targets, sources) in state_updates().items():
+            for old in sources:
+                for new in targets:
+                    assert new in states.TRANSITIONS[old], f"query {name}: {old} -> {new} is not in TRANSITIONS"
+
+    def test_parameterised_targets_are_legal_from_every_guarded_source(self) -> None:
+        """settle (:state in SETTLED) and fail_live (:state failed/rejected) are legal from each state they guard on."""
+        allowed_targets = {"settle": states.SETTLED, "fail_live": frozenset({"failed", "rejected"})}
+        updates = state_updates()
+        parameterised = {name for name, (targets, _sources) in updates.items() if not targets}
+        assert parameterised == set(allowed_targets)
+        for name in parameterised:
+            for old in updates[name][1]:
+                assert allowed_targets[name] <= states.TRANSITIONS[old], (name, old)
+
+    def test_operator_redrive_queries_are_seen(self) -> None:
+        """Both operator re-drive queries are checked too (comments before the UPDATE are skipped)."""
+        updates = state_updates()
+        for name in ("op_redrive_one", "op_redrive_batch", "claim", "mark_inflight", "requeue", "recover_claimed"):
+            assert name in updates, name
