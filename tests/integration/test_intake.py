@@ -331,3 +331,95 @@ class TestAckRules:
                 assert ack_code(client.exchange(hl7_message(cid))) == "AA"
                 assert db_rows(agent.db_path, "SELECT state FROM messages WHERE control_id = ?", (cid,)) == [
                     ("queued",)]
+
+
+class TestLogs:
+    def test_logs_carry_ids_but_never_bodies_or_patient_data(self, tmp_path: Path) -> None:
+        """Accepted, duplicate, conflicting and garbage frames log ids and codes, never message bytes or PID data."""
+        from structlog.testing import capture_logs
+
+        with capture_logs() as logs:
+            running = AgentThread(make_settings(tmp_path / "data", max_message_bytes=2048))
+            try:
+                with MllpClient(running.port) as client:
+                    client.exchange(hl7_message("LOG-1", pid="SECRETMRN"))
+                    client.exchange(hl7_message("LOG-1", pid="SECRETMRN"))
+                    client.exchange(hl7_message("LOG-1", pid="OTHERSECRETMRN"))
+                    client.exchange(hl7_message("LOG-2", pid="SECRETMRN" * 400))
+                    client.send(b"PID|1||SECRETMRN^^^MRN||DOE^JANE\r")
+                    client.exchange(hl7_message("LOG-3", pid="SECRETMRN"))
+            finally:
+                running.stop()
+        events = {e["event"] for e in logs}
+        assert {"message_committed", "retransmit_answered_from_dedupe", "control_id_reused_with_other_body",
+                "frame_too_large", "frame_without_msh_dropped"} <= events
+        committed = [e for e in logs if e["event"] == "message_committed"]
+        assert {e.get("control_id") for e in committed} == {"LOG-1", "LOG-3"}
+        assert all(e.get("channel") == "adt" and e.get("id") and e.get("peer") for e in committed)
+        for entry in logs:
+            assert not {"body", "raw", "payload", "message", "data"} & set(entry), entry
+            text = repr(entry)
+            assert "SECRETMRN" not in text and "DOE" not in text, entry
+
+
+class TestOversizeWithoutMsh:
+    def test_oversize_frame_without_msh_gets_no_ack(self, small_agent: AgentThread) -> None:
+        """An oversize frame that does not start with MSH is dropped silently and audited; the connection goes on."""
+        with MllpClient(small_agent.port) as client:
+            client.send(b"PID|" + b"9" * 5000 + b"\r")
+            ack = client.exchange(hl7_message("AFTER-BIGJUNK"))
+        assert msa2(ack) == "AFTER-BIGJUNK"
+        audit = wait_for(lambda: rows(small_agent, "state = 'nacked'"), what="audit row")
+        assert [r[4] for r in audit] == ["207"]
+        assert len(audit[0][3]) < 5000  # only the bounded prefix is kept, never the whole frame
+
+
+class TestSendCommand:
+    def test_send_prints_each_ack_and_exits_0_on_aa(self, agent: AgentThread, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+        """``hl7-agent send`` with a file of two LF-ended messages sends both and prints both AAs."""
+        from agent.client import send_files
+
+        path = tmp_path / "two.hl7"
+        path.write_bytes(hl7_message("SEND-1").replace(b"\r", b"\n") + hl7_message("SEND-2").replace(b"\r", b"\n"))
+        assert send_files("127.0.0.1", agent.port, [str(path)], timeout=10) == 0
+        out = capsys.readouterr().out
+        assert "MSA|AA|SEND-1" in out and "MSA|AA|SEND-2" in out
+        stored = dict(db_rows(agent.db_path, "SELECT control_id, body FROM messages"))
+        assert stored["SEND-1"] == hl7_message("SEND-1")  # \n turned into \r by send (SPEC 2)
+
+    def test_send_exits_1_on_a_reject(self, agent: AgentThread, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+        """A control id reused with another body gets AE, and ``send`` exits 1."""
+        from agent.client import send_files
+
+        first, second = tmp_path / "a.hl7", tmp_path / "b.hl7"
+        first.write_bytes(hl7_message("SEND-X", pid="1"))
+        second.write_bytes(hl7_message("SEND-X", pid="2"))
+        assert send_files("127.0.0.1", agent.port, [str(first)], timeout=10) == 0
+        assert send_files("127.0.0.1", agent.port, [str(second)], timeout=10) == 1
+        assert "MSA|AE|SEND-X" in capsys.readouterr().out
+
+    def test_send_mllp_framed_file(self, agent: AgentThread, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+        """A file of MLLP frames (as ``queue export`` writes) is sent frame by frame, bytes unchanged."""
+        from agent.client import send_files
+        from agent.mllp import encode_frame
+
+        lf = hl7_message("FRAMED-1").replace(b"\r", b"\n")
+        path = tmp_path / "framed.mllp"
+        path.write_bytes(encode_frame(lf) + encode_frame(hl7_message("FRAMED-2")))
+        assert send_files("127.0.0.1", agent.port, [str(path)], timeout=10) == 0
+        stored = dict(db_rows(agent.db_path, "SELECT control_id, body FROM messages"))
+        assert stored == {"FRAMED-1": lf, "FRAMED-2": hl7_message("FRAMED-2")}
+
+    def test_send_without_a_listener_exits_1(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """Nothing listening: one line on stderr and exit 1."""
+        from agent.client import send_files
+        from tests.agenttest import free_port
+
+        path = tmp_path / "one.hl7"
+        path.write_bytes(hl7_message("NOBODY"))
+        assert send_files("127.0.0.1", free_port(), [str(path)], timeout=2) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "cannot connect" in err
