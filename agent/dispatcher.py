@@ -390,12 +390,25 @@ class Dispatcher:
             self._sending.discard(head.id)
             raise
         transmit = dataclasses.replace(probe, attempt=attempt)
+        if session.closed:
+            # The session ended while inflight was being committed: the frame
+            # was provably never written, so this is no ambiguous row (SPEC 6
+            # fails those only on a non-replaying server). Back to the head.
+            self._sending.discard(head.id)
+            if await self._store(
+                lambda s: s.requeue(holder, epoch, head.id, attempt, 0.0, error_code="not_sent",
+                                    error_text="session closed before the frame was written")
+            ):
+                mlog.info("transmit_not_sent_session_closed", attempt=attempt)
+            return
         self._inflight[head.id] = _InFlight(head.id, len(transmit.body.encode()), session)
         started = time.monotonic()
         try:
-            response = await asyncio.wait_for(
-                session.transmit(transmit), self.settings.server.response_timeout
-            )
+            # asyncio.timeout, not wait_for: transmit() must start in this very
+            # step, so the closed check above still holds when it checks again
+            # and writes (wait_for would schedule it as a task, a loop turn later).
+            async with asyncio.timeout(self.settings.server.response_timeout):
+                response = await session.transmit(transmit)
         except TimeoutError:
             mlog.warning("transmit_response_timeout", attempt=attempt)
             await self._recover_after_loss(channel, epoch, head, attempt, session, "response timeout", mlog)

@@ -23,6 +23,7 @@ from agent.config import Settings
 from agent.devserver import Answer, DevServer, default_answer
 from agent.protocol import Transmit
 from agent.service import Agent
+from agent.store import SqliteStore
 from tests.agenttest import ack_code, db_rows, free_port, hl7_message, msa2
 
 T = TypeVar("T")
@@ -529,5 +530,44 @@ class TestApplicationAck:
                         await conn.close()
                     await until(lambda: row_of(agent, "W1")["ack_outcome"] == "delivered", 5, "delivered")
                     assert len(server.received) == 1
+
+        run(scenario())
+
+
+class TestProvablyUnsent:
+    def test_session_closed_before_the_write_is_not_ambiguous(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A row marked inflight whose session closed before its frame was written is resent, not failed."""
+        original = SqliteStore.mark_inflight
+        box: dict[str, Any] = {}
+
+        def mark_then_lose_session(self: SqliteStore, *args: Any, **kwargs: Any) -> int:
+            attempt = original(self, *args, **kwargs)
+            if not box.get("done"):
+                # Runs on the writer thread while the loop is free: the server
+                # drops the session after inflight is committed, before the write.
+                box["done"] = True
+                session = box["agent"].dispatcher.link.current()
+                asyncio.run_coroutine_threadsafe(box["server"].close_connections(1001, "restart"),
+                                                 box["loop"]).result(5)
+                deadline = time.monotonic() + 5
+                while not session.closed:
+                    assert time.monotonic() < deadline, "session did not close"
+                    time.sleep(0.005)  # polling another thread's state with a deadline
+            return attempt
+
+        monkeypatch.setattr(SqliteStore, "mark_inflight", mark_then_lose_session)
+
+        async def scenario() -> None:
+            async with dev_server(replay=False) as server:
+                s = settings_for(tmp_path, url(server), [{"name": "adt"}])
+                box.update(server=server, loop=asyncio.get_running_loop())
+                async with agent_running(s) as agent:
+                    box["agent"] = agent
+                    await send_all(port_of(agent, "adt"), [hl7_message("U1")])
+                    await until(lambda: state_of(agent, "U1") in ("processed", "failed"), 10, "U1 settled")
+                    assert state_of(agent, "U1") == "processed"
+                    assert [t.control_id for t in server.received] == ["U1"]
 
         run(scenario())
