@@ -104,7 +104,13 @@ class Writer:
                     stopping = True
                     break
                 batch.append(nxt)
-            self._run_batch([j for j in batch if isinstance(j, _Job)])
+            jobs = [j for j in batch if isinstance(j, _Job)]
+            try:
+                self._run_batch(jobs)
+            except Exception as exc:  # noqa: BLE001 - the thread must outlive any one batch
+                # A caller waiting on a future that is never resolved would
+                # hang its connection for good; fail what is still pending.
+                self._resolve_pending(jobs, StorageError(f"queue writer failed: {exc!r}"))
 
     def _run_batch(self, batch: list[_Job]) -> None:
         conn = self.store.conn
@@ -157,10 +163,19 @@ class Writer:
     def _fail_all(self, batch: list[_Job], error: AgentError) -> None:
         self.last_commit_ok = False
         self.last_error = str(error)
+        # Callers first: a failing log stream (EPIPE, full disk) must not
+        # leave them waiting.
+        self._resolve_pending(batch, error)
         log.error("queue_commit_failed", error=str(error), jobs=len(batch))
+
+    @staticmethod
+    def _resolve_pending(batch: list[_Job], error: AgentError) -> None:
         for job in batch:
-            if job.future.set_running_or_notify_cancel():
-                job.future.set_exception(error)
+            future = job.future
+            if future.done():
+                continue
+            if future.running() or future.set_running_or_notify_cancel():
+                future.set_exception(error)
 
 
 class Reader:

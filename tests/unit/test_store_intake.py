@@ -340,3 +340,33 @@ class TestDatabaseFile:
         db.open_database(path, "edge-01", db.DatabaseOptions(), T0).close()
         version = sqlite3.connect(path).execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         assert version == (str(db.SCHEMA_VERSION + 1),)  # never downgraded
+
+
+class TestWriterThread:
+    def test_a_failing_log_stream_never_strands_a_caller(self, tmp_path: Path, clock: Clock,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+        """When the commit fails and logging it raises too (EPIPE), the caller still gets a StorageError and the thread goes on."""
+        from agent import writer as writer_module
+        from agent.errors import StorageError
+
+        class BrokenLog:
+            def error(self, *args: Any, **kwargs: Any) -> None:
+                raise BrokenPipeError("log reader gone")
+
+        path = tmp_path / "data" / "queue.db"
+        conn = db.open_database(path, "unit-agent", db.DatabaseOptions(busy_timeout=0.05), clock())
+        store = SqliteStore(conn, db.load_queries(), db_path=path, clock=clock, min_free_disk_bytes=0)
+        writer = Writer(store)
+        writer.start()
+        monkeypatch.setattr(writer_module, "log", BrokenLog())
+        holder = sqlite3.connect(path, isolation_level=None)
+        try:
+            holder.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+            failed = writer.submit(lambda s: s.intake(item("W1")))
+            with pytest.raises(StorageError):
+                failed.result(10)
+            holder.execute("ROLLBACK")
+            assert writer.submit(lambda s: s.intake(item("W2"))).result(10).outcome == "accepted"
+        finally:
+            holder.close()
+            writer.close()
