@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from typing import Any, TextIO
 
@@ -41,10 +42,32 @@ class _CurrentStderr:
     """
 
     def write(self, text: str) -> int:
-        return sys.stderr.write(text)
+        try:
+            return sys.stderr.write(text)
+        except (OSError, ValueError):
+            _abandon_stderr()
+            return len(text)
 
     def flush(self) -> None:
-        sys.stderr.flush()
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            _abandon_stderr()
+
+
+def _abandon_stderr() -> None:
+    """The log reader is gone (EPIPE, ENOSPC, closed): logging must never stop intake.
+
+    fd 2 is pointed at /dev/null, so every later write — ours, the stdlib's,
+    and the interpreter's final flush (which would otherwise turn exit 0
+    into 120) — succeeds and goes nowhere.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    except OSError:
+        pass
 
 
 def _redact_bodies(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
