@@ -195,6 +195,8 @@ class Connection:
         self.finish_upto: int | None = None
         self.write_lock = asyncio.Lock()
         self.closing = asyncio.Event()
+        #: The sender closed its side (EOF): ACKs written now would not be read.
+        self.peer_gone = asyncio.Event()
         self.closed = False
         self.junk_logged = False
         self.relay_tasks: set[asyncio.Task[None]] = set()
@@ -267,18 +269,23 @@ class Connection:
                 {read, closing}, timeout=idle, return_when=asyncio.FIRST_COMPLETED
             )
             if read in done:
-                return read.result()
+                return self._note_eof(read.result())
             if not done:
                 self.log.info("connection_idle_timeout", idle_timeout=idle)
                 return b""
             # Asked to close: finish a frame that is being read, else stop now.
             if self._stop_reading():
                 return b""
-            return await read
+            return self._note_eof(await read)
         finally:
             for fut in (read, closing):
                 if not fut.done():
                     fut.cancel()
+
+    def _note_eof(self, data: bytes) -> bytes:
+        if not data:
+            self.peer_gone.set()
+        return data
 
     def _stop_reading(self) -> bool:
         """Aborted, or closing and the frame being received when the close came is complete.
@@ -364,7 +371,8 @@ class Connection:
                 task_.add_done_callback(self.relay_tasks.discard)
 
     async def _write_ack(self, ack: bytes) -> bool:
-        if self.closed or self.writer.is_closing():
+        """Write one ACK frame; True only when the sender can still read it."""
+        if self.closed or self.writer.is_closing() or self.peer_gone.is_set():
             return False
         async with self.write_lock:
             try:
@@ -561,7 +569,12 @@ class Connection:
             return reply
         # Original mode, channel ack = "application": hold the answer for the server's ACK.
         if app_ack is None:
-            app_ack = await self.ctx.relay.wait(message_id, self.ctx.application_ack_timeout)
+            app_ack = await self._wait_app_ack_while_connected(message_id)
+            if app_ack is None and self.peer_gone.is_set():
+                # The sender left: its retransmit gets the ACK replayed (SPEC 4).
+                self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, "undelivered"))
+                self.log.info("application_ack_undelivered", id=message_id, reason="sender closed")
+                return reply
         if app_ack is not None:
             return reply.add(app_ack, self._record_outcome(message_id))
         self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, "undelivered"))
@@ -572,6 +585,21 @@ class Connection:
         )
         self._rejected(AckCode.AR)
         return reply.add(ar)
+
+    async def _wait_app_ack_while_connected(self, message_id: str) -> bytes | None:
+        """The application ACK within application_ack_timeout, or None (also when the sender leaves)."""
+        wait = asyncio.ensure_future(self.ctx.relay.wait(message_id, self.ctx.application_ack_timeout))
+        gone = asyncio.ensure_future(self.peer_gone.wait())
+        try:
+            await asyncio.wait({wait, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if wait.done():
+            return wait.result()
+        wait.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await wait
+        return None
 
     async def _relay_application_ack(self, message_id: str, env: Envelope) -> None:
         """Enhanced mode: relay the server's ACK when it comes, if this connection is idle."""

@@ -485,9 +485,6 @@ class TestApplicationAck:
 
         run(scenario())
 
-    @pytest.mark.xfail(strict=True, reason=(
-        "listener bug: after the sender closed (EOF), Connection still writes the held application "
-        "ACK into the dead socket and records ack_outcome 'delivered' instead of 'undelivered'"))
     def test_ack_for_a_sender_gone_before_the_answer_is_recorded_undelivered(self, tmp_path: Path) -> None:
         """An application ACK whose sender closed its connection before the answer is recorded undelivered."""
 
