@@ -100,6 +100,8 @@ class ChannelListener:
         self.sock = sock
         self.ctx = ctx
         self.connections: set[Connection] = set()
+        self._no_connections = asyncio.Event()
+        self._no_connections.set()
         self._server: asyncio.Server | None = None
         self._allowed = [ipaddress.ip_network(c, strict=False) for c in channel.allowed_sources]
         self._ssl = build_server_ssl(channel)
@@ -126,6 +128,10 @@ class ChannelListener:
         """Ask every connection to close after the message it is reading (SPEC 7)."""
         for conn in list(self.connections):
             conn.request_close()
+
+    async def wait_connections_closed(self) -> None:
+        """Until every connection task of this listener has finished."""
+        await self._no_connections.wait()
 
     def abort_connections(self) -> None:
         for conn in list(self.connections):
@@ -160,10 +166,13 @@ class ChannelListener:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = Connection(self, reader, writer, remote)
         self.connections.add(conn)
+        self._no_connections.clear()
         try:
             await conn.serve()
         finally:
             self.connections.discard(conn)
+            if not self.connections:
+                self._no_connections.set()
 
 
 class Connection:
@@ -354,7 +363,7 @@ class Connection:
                 return
             try:
                 reply = await task
-            except Exception:  # noqa: BLE001 - a bug in one frame must not kill the connection
+            except Exception:  # a bug in one frame must not kill the connection
                 self.log.exception("frame_handling_failed")
                 reply = Reply()
             finally:

@@ -333,8 +333,7 @@ class Agent:
         return True
 
     async def _connections_closed(self) -> None:
-        while any(lst.connections for lst in self.listeners):
-            await asyncio.sleep(0.02)
+        await asyncio.gather(*(lst.wait_connections_closed() for lst in self.listeners))
 
     async def shutdown(self) -> None:
         s = self.settings
@@ -355,6 +354,9 @@ class Agent:
             log.warning("connections_aborted_at_budget", open=sum(len(lst.connections) for lst in self.listeners))
         for listener in self.listeners:
             listener.abort_connections()
+        # Aborted connections end at once; let their tasks finish before the
+        # loop is torn down (else asyncio logs callbacks on a closed loop).
+        await self._within(self._connections_closed(), time.monotonic() + 1.0)
         if self.dispatcher is not None:
             await self._within(self.dispatcher.stop(deadline=deadline - 1.0, force=self.force_stop),
                                deadline - 0.5)
