@@ -334,7 +334,9 @@ class Dispatcher:
                     continue
             try:
                 session = await self._until_stopping(link.session())
-            except _Stopping:
+            except (_Stopping, SessionClosed):
+                # Stopping, or this tenure's link was closed (stop() closes it
+                # before the lease goes): the claimed head is requeued on release.
                 return
             if self.stopping.is_set():
                 return

@@ -212,7 +212,7 @@ class TestTwoDaemons:
         wait_for(lambda: len(server.server.answered) >= 5, 10, what="a few delivered")
         assert lease_pid(tmp_path) == a.pid
         a.signal(15)
-        assert a.wait_exit(20) == 0
+        assert a.wait_exit(20) == 0, a.log_tail(60)
         holder["stopped_at"] = time.monotonic()
         wait_for(lambda: lease_pid(tmp_path) == b.pid, 5, what="b takes the lease")
         # lease_acquire_interval is 0.5 s in the test config; allow process and disk latency.
