@@ -232,13 +232,10 @@ def build_ack(
         msa2 = inbound_control_id
         charset = ""
 
-    # MSH-9: the message structure (third component) exists from v2.3.1 on.
-    if not trigger:
-        msh9 = "ACK"
-    elif version >= (2, 3, 1):
-        msh9 = delims.component.join(("ACK", trigger, "ACK"))
-    else:
-        msh9 = delims.component.join(("ACK", trigger))
+    # MSH-9 is ACK^<trigger>^ACK for every version (SPEC 4). Before v2.3.1 the
+    # third component (message structure) was not defined; receivers of
+    # those versions ignore a component they do not know.
+    msh9 = delims.component.join(("ACK", trigger, "ACK")) if trigger else "ACK"
 
     msh = [
         "MSH",

@@ -120,10 +120,10 @@ class TestBuildAckMsh:
         inbound = env("MSH|^~\\&|A|B|C|D|||QRY|5|P|2.5")
         assert segments(build_ack(inbound, AckCode.AA))[0][8] == "ACK"
 
-    def test_pre_231_msh9_two_components(self) -> None:
-        """Before v2.3.1 MSH-9 has no message-structure component: ACK^A01."""
+    def test_pre_231_msh9_follows_the_spec_too(self) -> None:
+        """SPEC 4 fixes MSH-9 as ACK^<trigger>^ACK for every version, v2.3 included."""
         inbound = env("MSH|^~\\&|A|B|C|D|||ADT^A01|5|P|2.3")
-        assert segments(build_ack(inbound, AckCode.AA))[0][8] == "ACK^A01"
+        assert segments(build_ack(inbound, AckCode.AA))[0][8] == "ACK^A01^ACK"
 
     def test_custom_separators(self, hl7_sample: Sample) -> None:
         """The sender's MSH#$*@! delimiters are used throughout the ACK, also in ERR."""
@@ -284,7 +284,7 @@ class TestReparse:
         ack = build_ack(inbound, AckCode.AE, error_code=101, text="x")
         message = hl7.parse(ack.decode("ascii"))
         assert message["MSA.F6.R1.C1"] == "101"
-        assert str(message.segment("MSH")[9]) == "ACK^A01"
+        assert str(message.segment("MSH")[9]) == "ACK^A01^ACK"
 
 
 class TestAckWanted:
