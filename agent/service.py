@@ -25,7 +25,7 @@ import structlog
 from agent import __version__, db, sockets
 from agent.admin import AdminServer, RuntimeView
 from agent.config import Settings
-from agent.errors import ConfigError, StorageError
+from agent.errors import AdminListenInUse, ConfigError, StorageError
 from agent.listener import ChannelListener, IntakeContext
 from agent.metrics import AgentMetrics
 from agent.relay import AckRelay
@@ -220,8 +220,14 @@ class Agent:
             self.handover = None
         self.metrics.bind_stats(self._view().stats)
         if s.admin.listen:
-            self.admin = AdminServer(s.admin.listen, self._view(), self.metrics)
-            self.admin.start()
+            admin = AdminServer(s.admin.listen, self._view(), self.metrics)
+            try:
+                admin.start()
+                self.admin = admin
+            except AdminListenInUse as exc:
+                # Intake matters more than metrics: an overlapping version that
+                # was not given its own admin address still takes messages.
+                log.error("admin_unavailable", error=str(exc))
         if s.server.url:
             from agent.dispatcher import Dispatcher  # the dispatcher pulls in websockets
 

@@ -196,3 +196,22 @@ def test_handover_socket_is_private(tmp_path: Path) -> None:
             pass
     finally:
         assert daemon.stop() == 0
+
+
+def test_successor_without_its_own_admin_address_still_takes_over(tmp_path: Path) -> None:
+    """A second version started with the same admin address logs the clash and still serves intake after the first stops."""
+    port = free_port()
+    config = toml_config(tmp_path / "data", [{"name": "adt", "listen": f"127.0.0.1:{port}"}],
+                         admin_port=free_port())
+    old = Daemon(tmp_path, config, name="old")
+    new = Daemon(tmp_path, config, name="new")
+    try:
+        old.start().wait_started()
+        new.start().wait_started()
+        assert new.has_event("admin_unavailable"), new.log_tail()
+        assert old.stop() == 0
+        with MllpClient(port) as client:
+            assert ack_code(client.exchange(hl7_message("AFTER"))) == "AA"
+    finally:
+        old.stop()
+        assert new.stop() == 0
