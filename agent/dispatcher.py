@@ -189,7 +189,7 @@ class Dispatcher:
                 link = self._open_link()
                 lost = False
                 try:
-                    recovered = await self._store(lambda s: s.recover_claimed(self.me.holder, epoch))
+                    recovered = await self._store(lambda s: s.recover_claimed(self.me.holder, epoch))  # noqa: B023 - run before the loop moves on
                     if recovered:
                         self.log.info("claimed_rows_requeued", rows=recovered)
                     await self._dispatch_under_lease(epoch, link)
@@ -251,7 +251,9 @@ class Dispatcher:
         for event in self._wake.values():
             event.set()
         budget_end = min(deadline, time.monotonic() + self.settings.server.response_timeout)
-        while self._sending and time.monotonic() < budget_end and not (force and force.is_set()):
+        # Several workers settle concurrently; a short poll of the shared set is
+        # simpler than one event per row and bounded by budget_end.
+        while self._sending and time.monotonic() < budget_end and not (force and force.is_set()):  # noqa: ASYNC110
             await asyncio.sleep(0.02)
         if self._sending:
             self.log.warning("inflight_unanswered_at_stop", rows=len(self._sending))
@@ -318,12 +320,20 @@ class Dispatcher:
                 await self._idle(name, 1.0)
                 continue
             now = time.time()
-            if head.state == "queued":
-                if head.next_attempt_at > now:
-                    await self._idle(name, min(head.next_attempt_at - now, 1.0))
-                    continue
+            if head.state == "queued" and head.next_attempt_at > now:
+                await self._idle(name, min(head.next_attempt_at - now, 1.0))
+                continue
+            if link.current() is None:
+                # Claim only with a session up: during an outage the head stays
+                # `queued` (what an operator expects to see), not `claimed`.
                 try:
-                    claimed = await self._store(lambda s: s.claim(self.me.holder, epoch, head.id))
+                    await self._until_stopping(link.session())
+                except (_Stopping, SessionClosed):
+                    return
+                continue  # the head may have changed while we waited
+            if head.state == "queued":
+                try:
+                    claimed = await self._store(lambda s: s.claim(self.me.holder, epoch, head.id))  # noqa: B023 - awaited in this iteration
                 except StorageError as exc:
                     if isinstance(exc, LeaseLost):
                         raise

@@ -78,7 +78,7 @@ class AckRelay:
             if not ids:
                 continue
             try:
-                found = await self._reader.run(lambda s: _settled_app_acks(s, ids))
+                found = await self._reader.run(lambda s: _settled_app_acks(s, ids))  # noqa: B023 - awaited in this iteration
             except StorageError as exc:
                 log.warning("ack_relay_poll_failed", error=str(exc))
                 continue

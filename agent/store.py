@@ -625,5 +625,5 @@ def _file_size(path: Path) -> int:
 def rfc3339(ts: float) -> str:
     """RFC 3339 UTC with millisecond precision and a Z."""
     whole = time.gmtime(ts)
-    millis = int(round((ts - int(ts)) * 1000)) % 1000
+    millis = round((ts - int(ts)) * 1000) % 1000
     return time.strftime("%Y-%m-%dT%H:%M:%S", whole) + f".{millis:03d}Z"
