@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from agenttest import Daemon, MllpClient, ack_code, free_port, hl7_message, toml_config  # noqa: E402
+from agenttest import Daemon, MllpClient, ack_code, free_port, hl7_message, toml_config
 
 
 def baseline_one_commit_per_message(directory: Path, count: int, body: bytes) -> float:

@@ -163,7 +163,7 @@ class Daemon:
 
     def start(self) -> Daemon:
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+        self.proc = subprocess.Popen(
             [sys.executable, "-m", "agent", "run", "--config", str(self.config)],
             stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.dir,
             preexec_fn=self.preexec_fn,  # noqa: PLW1509 - only setrlimit, in tests
@@ -296,8 +296,20 @@ class DevServerThread:
 
 
 __all__ = [
-    "Answer", "Daemon", "DevServerThread", "MllpClient", "REPO_ROOT", "ack_code", "db_rows", "err3",
-    "free_port", "hl7_message", "http_get", "msa2", "toml_config", "wait_for",
+    "REPO_ROOT",
+    "Answer",
+    "Daemon",
+    "DevServerThread",
+    "MllpClient",
+    "ack_code",
+    "db_rows",
+    "err3",
+    "free_port",
+    "hl7_message",
+    "http_get",
+    "msa2",
+    "toml_config",
+    "wait_for",
 ]
 
 

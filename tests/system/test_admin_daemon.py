@@ -34,7 +34,7 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def _health(config: Path, env: dict[str, str] | None = None) -> int:
-    return subprocess.run(  # noqa: S603 - our own interpreter and module
+    return subprocess.run(
         [sys.executable, "-m", "agent", "health", "--config", str(config)],
         capture_output=True, timeout=30, env=env, check=False,
     ).returncode

@@ -8,7 +8,16 @@ import time
 from pathlib import Path
 
 import pytest
-from agenttest import Daemon, MllpClient, ack_code, db_rows, free_port, hl7_message, toml_config, wait_for
+from agenttest import (
+    Daemon,
+    MllpClient,
+    ack_code,
+    db_rows,
+    free_port,
+    hl7_message,
+    toml_config,
+    wait_for,
+)
 
 from agent import mllp
 

@@ -59,7 +59,7 @@ def test_daemon_serves_inherited_sockets_and_notifies_systemd(tmp_path: Path) ->
     log_path = tmp_path / "daemon.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HL7_AGENT_", "LISTEN_", "NOTIFY_", "WATCHDOG_"))}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(  # noqa: S603 - systemd's own tool and our interpreter
+        proc = subprocess.Popen(
             ["systemd-socket-activate",
              "-l", f"127.0.0.1:{ports['adt']}", "-l", f"127.0.0.1:{ports['lab']}",
              "--fdname=adt:lab",
