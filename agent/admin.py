@@ -37,8 +37,8 @@ from urllib.parse import urlsplit
 
 import structlog
 
+from agent.addresses import format_listen, parse_listen
 from agent.errors import AdminListenInUse, ConfigError
-from agent.health import format_listen, parse_listen
 from agent.metrics import AgentMetrics
 from agent.statuspage import render_status_page
 
@@ -326,7 +326,7 @@ class AdminServer:
         if self._server is not None:
             raise RuntimeError("admin server already started")
         try:
-            host, port = parse_listen(self._listen)
+            host, port = parse_listen(self._listen, allow_port_zero=True)
         except ValueError as exc:
             raise ConfigError(f"config error: admin.listen: {exc}") from exc
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -51,6 +51,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from agent.addresses import parse_listen
 from agent.envelope import resolve_codec
 from agent.errors import ConfigError, UnsupportedCharset
 
@@ -153,48 +154,6 @@ def parse_byte_size(value: object) -> int:
     if size < 0:
         raise ValueError(f"{value!r} must be >= 0")
     return size
-
-
-_HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?")
-
-
-def parse_listen(value: str, *, allow_port_zero: bool = False) -> tuple[str, int]:
-    """Split ``host:port`` / ``[v6]:port`` into ``(host, port)`` (brackets removed).
-
-    The host must be explicit (``0.0.0.0`` for every IPv4 address, ``[::]`` for
-    every address); port 0 is refused unless ``allow_port_zero`` (tests).
-    """
-    text = value.strip()
-    example = "write host:port, e.g. 0.0.0.0:2575 or [::1]:2575"
-    if text.startswith("["):
-        end = text.find("]")
-        if end < 0:
-            raise ValueError(f"{value!r}: missing ']' after the IPv6 address; {example}")
-        host, rest = text[1:end], text[end + 1 :]
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ValueError(f"{value!r}: {host!r} is not an IPv6 address; {example}") from None
-        if not rest.startswith(":"):
-            raise ValueError(f"{value!r}: missing port; {example}")
-        port_text = rest[1:]
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep:
-            raise ValueError(f"{value!r}: missing port; {example}")
-        if ":" in host:
-            raise ValueError(f"{value!r}: put an IPv6 address in brackets, e.g. [::1]:2575")
-        if not host:
-            raise ValueError(f"{value!r}: missing host; {example}")
-        if not _HOSTNAME.fullmatch(host):
-            raise ValueError(f"{value!r}: {host!r} is not a host name or address; {example}")
-    if not port_text.isdigit() or not port_text.isascii():
-        raise ValueError(f"{value!r}: port {port_text!r} is not a number; {example}")
-    port = int(port_text)
-    low = 0 if allow_port_zero else 1
-    if not low <= port <= 65535:
-        raise ValueError(f"{value!r}: port must be 1-65535")
-    return host, port
 
 
 def _check_encoding(name: str) -> None:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import structlog
 
 from agent import __version__, acks, envelope
+from agent.aio import unless
 from agent.errors import HL7Error, LeaseLost, StorageError
 from agent.protocol import Transmit, TransmitResponse, classify_status, max_frame_bytes, rfc3339_utc
 from agent.relay import AckRelay
@@ -278,19 +279,11 @@ class Dispatcher:
             await asyncio.wait_for(self.stopping.wait(), max(0.0, seconds))
 
     async def _until_stopping(self, aw: Awaitable[T]) -> T:
-        """Await ``aw`` unless stop() comes first."""
-        task = asyncio.ensure_future(aw)
-        stopper = asyncio.ensure_future(self.stopping.wait())
-        try:
-            await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopper.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        """Await ``aw`` unless stop() comes first (then raise _Stopping)."""
+        done = await unless(aw, self.stopping)
+        if done is None:
             raise _Stopping
-        return task.result()
+        return done.result()
 
     async def _idle(self, channel: str, seconds: float) -> None:
         """Wait for new rows (in-process wake-up, else poll: another process may take intake)."""

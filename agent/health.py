@@ -11,37 +11,11 @@ from __future__ import annotations
 import http.client
 from collections.abc import Callable
 
+from agent.addresses import parse_listen
+
 #: Wildcard binds are probed over loopback: "listening on every address"
 #: includes loopback, and the probe runs on the same host.
 _WILDCARD_PROBE = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
-
-
-def parse_listen(listen: str) -> tuple[str, int]:
-    """Split ``host:port`` or ``[v6]:port`` (SPEC 3) into host and port.
-
-    Port 0 is allowed here (tests bind an ephemeral port); the config layer
-    rejects it for operators. Raises ``ValueError`` with the offending text.
-    """
-    text = listen.strip()
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or not rest.startswith(":"):
-            raise ValueError(f"listen {listen!r}: expected [v6]:port")
-        port_text = rest[1:]
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep:
-            raise ValueError(f"listen {listen!r}: expected host:port")
-        if ":" in host:
-            raise ValueError(f"listen {listen!r}: an IPv6 host needs brackets, [v6]:port")
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"listen {listen!r}: port must be 0-65535")
-    return host, int(port_text)
-
-
-def format_listen(host: str, port: int) -> str:
-    """The inverse of :func:`parse_listen` (brackets around IPv6 hosts)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def check_health(listen: str, timeout: float = 3.0) -> bool:
@@ -51,7 +25,7 @@ def check_health(listen: str, timeout: float = 3.0) -> bool:
     — is False: the caller only needs live or not.
     """
     try:
-        host, port = parse_listen(listen)
+        host, port = parse_listen(listen, allow_port_zero=True)
         host = _WILDCARD_PROBE.get(host, host)
         conn = http.client.HTTPConnection(host, port, timeout=timeout)
         try:

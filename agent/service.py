@@ -18,12 +18,14 @@ import contextlib
 import signal
 import socket
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from agent import __version__, db, sockets
 from agent.admin import AdminServer, RuntimeView
+from agent.aio import unless
 from agent.config import Settings
 from agent.errors import AdminListenInUse, ConfigError, StorageError
 from agent.listener import ChannelListener, IntakeContext
@@ -322,21 +324,12 @@ class Agent:
             log.warning("fast_shutdown_requested", signal=sig.name)
             self.force_stop.set()
 
-    async def _within(self, aw: Any, deadline: float) -> bool:
+    async def _within(self, aw: Awaitable[object], deadline: float) -> bool:
         """Await ``aw`` until the deadline or a forced stop; True when it finished."""
-        task = asyncio.ensure_future(aw)
-        forced = asyncio.ensure_future(self.force_stop.wait())
-        try:
-            await asyncio.wait({task, forced}, timeout=max(0.0, deadline - time.monotonic()),
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            forced.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-            return False
-        return True
+        done = await unless(aw, self.force_stop, timeout=max(0.0, deadline - time.monotonic()))
+        if done is not None and not done.cancelled() and done.exception() is not None:
+            log.error("shutdown_step_failed", error=str(done.exception()))
+        return done is not None
 
     async def _connections_closed(self) -> None:
         await asyncio.gather(*(lst.wait_connections_closed() for lst in self.listeners))

@@ -31,6 +31,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 from websockets.http11 import USER_AGENT
 
+from agent.aio import unless
 from agent.errors import LocalError, ProtocolError
 from agent.protocol import (
     ErrorMessage,
@@ -450,18 +451,8 @@ class UpstreamLink:
 
     async def _until_stopped(self, coro: Awaitable[_T]) -> _T | None:
         """Run ``coro`` unless close() is called first (then cancel it and return None)."""
-        task = asyncio.ensure_future(coro)
-        stopper = asyncio.ensure_future(self._stop.wait())
-        try:
-            await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopper.cancel()
-            if not task.done():
-                task.cancel()
-            await asyncio.wait({task, stopper})
-        if task.cancelled():
-            return None
-        return task.result()
+        done = await unless(coro, self._stop)
+        return None if done is None or done.cancelled() else done.result()
 
     async def _connect_once(self) -> Session | None:
         """One attempt: WebSocket upgrade, hello, welcome. None (logged) on failure."""
