@@ -394,10 +394,13 @@ class Connection:
 
     # -- outcome bookkeeping -------------------------------------------------
 
+    def _set_outcome(self, message_id: str, outcome: str) -> None:
+        """Record whether the source got its final ACK; rides along with the next commit."""
+        self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, outcome))
+
     def _record_outcome(self, message_id: str) -> Callable[[bool], None]:
         def record(written: bool) -> None:
-            outcome = "delivered" if written else "undelivered"
-            self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, outcome))
+            self._set_outcome(message_id, "delivered" if written else "undelivered")
 
         return record
 
@@ -560,7 +563,7 @@ class Connection:
         reply = Reply()
         if ack_mode == "commit":
             if commit_ack is None:
-                self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, "not_owed"))
+                self._set_outcome(message_id, "not_owed")
                 return reply
             return reply.add(commit_ack, self._record_outcome(message_id))
         if ack_mode == "enhanced":
@@ -570,9 +573,9 @@ class Connection:
                 if acks.application_ack_wanted(env, success=bool(success)):
                     reply.add(app_ack, self._record_outcome(message_id))
                 else:
-                    self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, "not_owed"))
+                    self._set_outcome(message_id, "not_owed")
             elif env.application_ack_type.upper() == "NE":
-                self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, "not_owed"))
+                self._set_outcome(message_id, "not_owed")
             else:
                 reply.relay_for = (message_id, env)
             return reply
@@ -581,12 +584,12 @@ class Connection:
             app_ack = await self._wait_app_ack_while_connected(message_id)
             if app_ack is None and self.peer_gone.is_set():
                 # The sender left: its retransmit gets the ACK replayed (SPEC 4).
-                self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, "undelivered"))
+                self._set_outcome(message_id, "undelivered")
                 self.log.info("application_ack_undelivered", id=message_id, reason="sender closed")
                 return reply
         if app_ack is not None:
             return reply.add(app_ack, self._record_outcome(message_id))
-        self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, "undelivered"))
+        self._set_outcome(message_id, "undelivered")
         self.log.info("application_ack_timed_out", id=message_id, control_id=env.control_id)
         ar = acks.build_ack(
             env, AckCode.AR, codec=codec, error_code=207,
@@ -622,7 +625,7 @@ class Connection:
             return
         success = acks.read_ack_code(app_ack) in ("AA", "CA")
         if not acks.application_ack_wanted(env, success=success):
-            self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, "not_owed"))
+            self._set_outcome(message_id, "not_owed")
             return
         # SPEC 4: written only when no message on this connection awaits its own ACK.
         if self.pending_frames == 0 and not self.decoder.mid_frame and not self.closed:

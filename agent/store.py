@@ -335,7 +335,7 @@ class SqliteStore:
         if outcome not in states.ACK_OUTCOMES:
             raise ValueError(f"unknown ack_outcome {outcome!r}")
         cur = self.conn.execute(
-            self.q["set_ack_outcome"], {"id": message_id, "outcome": outcome, "now": self.clock()}
+            self.q["set_ack_outcome"], {"id": message_id, "outcome": outcome}
         )
         return cur.rowcount == 1
 

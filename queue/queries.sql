@@ -43,7 +43,9 @@ SELECT state, ack_outcome, app_ack, server_status
 FROM messages WHERE id = :id
 
 -- name: set_ack_outcome
-UPDATE messages SET ack_outcome = :outcome, updated_at = :now
+-- Leaves updated_at alone: retention counts from the row's last state change,
+-- and this UPDATE then touches no index.
+UPDATE messages SET ack_outcome = :outcome
 WHERE id = :id AND ack_outcome <> :outcome
 
 -- name: set_app_ack
