@@ -396,7 +396,7 @@ class Connection:
 
     def _set_outcome(self, message_id: str, outcome: str) -> None:
         """Record whether the source got its final ACK; rides along with the next commit."""
-        self.ctx.writer.submit(lambda s: s.set_ack_outcome(message_id, outcome))
+        self.ctx.writer.defer(lambda s: s.set_ack_outcome(message_id, outcome))
 
     def _record_outcome(self, message_id: str) -> Callable[[bool], None]:
         def record(written: bool) -> None:

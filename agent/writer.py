@@ -53,6 +53,9 @@ class Writer:
         self._jobs: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
+        self._deferred: list[_Job] = []
+        self._deferred_lock = threading.Lock()
+        self.defer_flush_interval = 0.5
         self.last_commit_ok = True
         self.last_error: str | None = None
         self.batches = 0
@@ -68,6 +71,24 @@ class Writer:
             return future
         self._jobs.put(_Job(fn, future))
         return future
+
+    def defer(self, fn: Callable[[SqliteStore], object]) -> None:
+        """Thread-safe: run ``fn`` with the next batch, without causing a commit of its own.
+
+        For bookkeeping that may be lost in a crash (``ack_outcome``): it rides
+        along with the next intake or dispatch commit, or is flushed within
+        ``defer_flush_interval`` when the queue is quiet. Giving it a commit of
+        its own would cost one fsync per message and slow every sender.
+        """
+        if self._closed:
+            return
+        with self._deferred_lock:
+            self._deferred.append(_Job(fn, concurrent.futures.Future()))
+
+    def _take_deferred(self) -> list[_Job]:
+        with self._deferred_lock:
+            taken, self._deferred = self._deferred, []
+        return taken
 
     async def run(self, fn: Callable[[SqliteStore], T]) -> T:
         """Run ``fn(store)`` in the next committed batch and return its result."""
@@ -91,26 +112,37 @@ class Writer:
     def _loop(self) -> None:
         stopping = False
         while not stopping:
-            first = self._jobs.get()
-            if first is _STOP:
-                break
-            batch = [first]
-            while len(batch) < self.max_batch:
+            try:
+                first = self._jobs.get(timeout=self.defer_flush_interval)
+            except queue.Empty:
+                deferred = self._take_deferred()
+                if deferred:
+                    self._run_batch_safely(deferred)
+                continue
+            batch = self._take_deferred()
+            nxt: _Job | object = first
+            while True:
+                if isinstance(nxt, _Job):
+                    batch.append(nxt)
+                else:  # _STOP: finish this batch (deferred jobs included), then end
+                    stopping = True
+                    break
+                if len(batch) >= self.max_batch:
+                    break
                 try:
                     nxt = self._jobs.get_nowait()
                 except queue.Empty:
                     break
-                if nxt is _STOP:
-                    stopping = True
-                    break
-                batch.append(nxt)
-            jobs = [j for j in batch if isinstance(j, _Job)]
-            try:
-                self._run_batch(jobs)
-            except Exception as exc:  # noqa: BLE001 - the thread must outlive any one batch
-                # A caller waiting on a future that is never resolved would
-                # hang its connection for good; fail what is still pending.
-                self._resolve_pending(jobs, StorageError(f"queue writer failed: {exc!r}"))
+            if batch:
+                self._run_batch_safely(batch)
+
+    def _run_batch_safely(self, jobs: list[_Job]) -> None:
+        try:
+            self._run_batch(jobs)
+        except Exception as exc:  # noqa: BLE001 - the thread must outlive any one batch
+            # A caller waiting on a future that is never resolved would
+            # hang its connection for good; fail what is still pending.
+            self._resolve_pending(jobs, StorageError(f"queue writer failed: {exc!r}"))
 
     def _run_batch(self, batch: list[_Job]) -> None:
         conn = self.store.conn
