@@ -179,7 +179,14 @@ class Dispatcher:
         d = self.settings.dispatch
         try:
             while not self.stopping.is_set():
-                epoch = await self._store(lambda s: s.try_acquire_lease(self.me, d.lease_ttl))
+                try:
+                    epoch = await self._store(lambda s: s.try_acquire_lease(self.me, d.lease_ttl))
+                except StorageError as exc:
+                    # A locked or failing database must not stop the daemon:
+                    # intake goes on answering; dispatch tries again.
+                    self.log.warning("lease_acquire_failed", error=str(exc))
+                    await self._sleep(d.lease_acquire_interval)
+                    continue
                 if epoch is None:
                     await self._sleep(d.lease_acquire_interval)
                     continue
@@ -197,6 +204,13 @@ class Dispatcher:
                 except* LeaseLost:
                     lost = True
                     self.log.warning("lease_lost", epoch=epoch)
+                except* StorageError as group:
+                    # Keep the lease row as it is (we take it back at once,
+                    # holder == us) and start a fresh tenure after a pause.
+                    lost = True
+                    self.log.warning("dispatch_tenure_failed", epoch=epoch,
+                                     error="; ".join(str(e) for e in group.exceptions))
+                    await self._sleep(d.lease_acquire_interval)
                 finally:
                     # The session goes before the lease: a successor never
                     # overlaps with us on the server.
