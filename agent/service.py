@@ -301,12 +301,17 @@ class Agent:
                         log.info("retention_purged", rows=purged)
                 except StorageError as exc:
                     log.warning("retention_failed", error=str(exc))
-            with contextlib.suppress(OSError):
-                if wal.stat().st_size > 0:
+            try:
+                if wal.exists() and wal.stat().st_size > 0:
+                    # PASSIVE never waits on readers or the other process's writer.
                     await self.reader.run(lambda s: s.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone())
-            if now - last_optimize >= 3600:
-                last_optimize = now
-                await self.reader.run(lambda s: s.conn.execute("PRAGMA optimize").fetchall())
+                if now - last_optimize >= 3600:
+                    # SPEC 6: long-lived connections refresh the planner's statistics.
+                    last_optimize = now
+                    await self.reader.run(lambda s: s.conn.execute("PRAGMA optimize").fetchall())
+                    await self.writer.run(lambda s: s.conn.execute("PRAGMA optimize").fetchall())
+            except (OSError, StorageError) as exc:
+                log.warning("maintenance_failed", error=str(exc))
 
     # -- stop ----------------------------------------------------------------
 
