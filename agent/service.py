@@ -67,12 +67,6 @@ def db_options(settings: Settings) -> db.DatabaseOptions:
     )
 
 
-def refuse_unsupported_security(settings: Settings) -> None:
-    """A security setting is never silently ignored (SPEC 3)."""
-    if settings.server.client_cert is not None and settings.server.client_key is None:
-        raise ConfigError("config error: server.client_cert needs server.client_key")
-
-
 class Agent:
     """One daemon process."""
 
@@ -92,7 +86,6 @@ class Agent:
         self.admin: AdminServer | None = None
         self.dispatcher: Dispatcher | None = None
         self.tasks: list[asyncio.Task[None]] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
 
     # -- start ---------------------------------------------------------------
@@ -193,8 +186,6 @@ class Agent:
 
     async def start(self) -> None:
         s = self.settings
-        refuse_unsupported_security(s)
-        self._loop = asyncio.get_running_loop()
         self._open_database()
         assert self.writer is not None
         assert self.reader is not None
@@ -238,6 +229,10 @@ class Agent:
             self.tasks.append(asyncio.create_task(self._supervise(self.dispatcher.run(), "dispatcher")))
         else:
             log.warning("no_upstream_configured", hint="set [server] url; intake still queues messages")
+            for channel in s.channels:
+                if channel.ack == "application":
+                    log.warning("application_ack_without_upstream", channel=channel.name,
+                                hint="senders get AR after application_ack_timeout until [server] url is set")
         self.tasks.append(asyncio.create_task(self._supervise(self._maintenance(), "maintenance")))
         self.tasks.append(asyncio.create_task(self._supervise(self._watchdog(), "watchdog")))
         self.notifier.ready(status=self._status_line())
