@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from agent import states
 from agent.errors import LeaseLost, StorageError
@@ -167,7 +167,48 @@ def holder_provably_dead(pid: int | None, boot: str | None, pidns: str | None, s
     return ticks is None or (start is not None and ticks != start)
 
 
-TERMINAL_PURGEABLE = ("processed", "rejected", "nacked")
+class QueueStore(Protocol):
+    """The queue as the daemon uses it: what any backend must provide.
+
+    SQLite implements it now; a PostgreSQL backend for sites that outgrow one
+    host would implement the same methods with the same guarantees, and must
+    pass tests/integration/test_store_contract.py. Each method runs inside a
+    transaction its caller opened; dispatch methods are fenced on the lease
+    epoch and raise LeaseLost when the fence fails.
+    """
+
+    # intake
+    def intake(self, item: IntakeItem) -> IntakeResult: ...
+    def record_audit(self, item: AuditItem) -> str: ...
+    def set_ack_outcome(self, message_id: str, outcome: str) -> bool: ...
+    # lease
+    def lease(self) -> Lease | None: ...
+    def try_acquire_lease(self, me: LeaseHolder, ttl: float) -> int | None: ...
+    def renew_lease(self, holder: str, epoch: int, ttl: float) -> None: ...
+    def release_lease(self, holder: str, epoch: int) -> bool: ...
+    def recover_claimed(self, holder: str, epoch: int) -> int: ...
+    # claim and settle
+    def channel_head(self, channel: str) -> HeadRow | None: ...
+    def claim(self, holder: str, epoch: int, message_id: str) -> bool: ...
+    def mark_inflight(self, holder: str, epoch: int, message_id: str, from_state: str, attempts: int) -> int: ...
+    def settle(
+        self, holder: str, epoch: int, message_id: str, attempt: int, state: str, *,
+        server_status: int | None, server_ack: str | None, app_ack: bytes | None = None,
+        error_code: str | None = None, error_text: str | None = None,
+    ) -> bool: ...
+    def requeue(
+        self, holder: str, epoch: int, message_id: str, attempt: int, next_attempt_at: float, *,
+        server_status: int | None = None, error_code: str | None = None, error_text: str | None = None,
+    ) -> bool: ...
+    def fail_live(
+        self, holder: str, epoch: int, message_id: str, attempt: int, state: str, *,
+        error_code: str, error_text: str, app_ack: bytes | None = None,
+    ) -> bool: ...
+    # channels and stats
+    def pause_channel(self, channel: str, reason: str) -> None: ...
+    def resume_channel(self, channel: str) -> None: ...
+    def paused_channels(self) -> set[str]: ...
+    def stats(self, configured_channels: list[str] | None = None) -> dict[str, Any]: ...
 
 
 class SqliteStore:
@@ -627,3 +668,8 @@ def rfc3339(ts: float) -> str:
     whole = time.gmtime(ts)
     millis = round((ts - int(ts)) * 1000) % 1000
     return time.strftime("%Y-%m-%dT%H:%M:%S", whole) + f".{millis:03d}Z"
+
+
+def _implements_the_interface(store: SqliteStore) -> QueueStore:
+    """mypy checks here that SqliteStore satisfies QueueStore."""
+    return store
