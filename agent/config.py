@@ -400,6 +400,11 @@ class ChannelSettings(_Section):
     allowed_sources: list[str] = Field(default_factory=list)
     max_connections: int = Field(default=64, ge=1)
     idle_timeout: Duration = 0.0  # 0 = never close an idle connection
+    # What the channel accepts (SPEC 4: AR/CR with ERR-3 200-203 otherwise);
+    # empty = anything. "ADT" allows every ADT event, "ADT^A01" only that one.
+    accept_message_types: list[str] = Field(default_factory=list)
+    accept_processing_ids: list[str] = Field(default_factory=list)
+    accept_versions: list[str] = Field(default_factory=list)  # "2.5" also admits "2.5.1"
 
     @field_validator("name")
     @classmethod
@@ -420,6 +425,23 @@ class ChannelSettings(_Section):
     def _encoding(cls, value: str) -> str:
         _check_encoding(value)
         return value
+
+    @field_validator("accept_message_types")
+    @classmethod
+    def _message_types(cls, value: list[str]) -> list[str]:
+        cleaned = [item.strip().upper() for item in value]
+        for item in cleaned:
+            if not re.fullmatch(r"[A-Z0-9]{3}(\^[A-Z0-9]{1,7})?", item):
+                raise ValueError(f"{item!r} must be a message code or code^event, e.g. ADT or ADT^A01")
+        return cleaned
+
+    @field_validator("accept_processing_ids", "accept_versions")
+    @classmethod
+    def _plain_values(cls, value: list[str]) -> list[str]:
+        cleaned = [item.strip() for item in value]
+        if any(not item for item in cleaned):
+            raise ValueError("entries must not be empty")
+        return cleaned
 
     @field_validator("allowed_sources")
     @classmethod

@@ -510,6 +510,13 @@ class Connection:
         except HL7Error as exc:
             return self._reject(env, payload, Outcome.MALFORMED, exc.error_code, exc.text, received_at,
                                 codec="ascii")
+        refused = envelope.unsupported_reason(
+            env, message_types=self.channel.accept_message_types,
+            processing_ids=self.channel.accept_processing_ids, versions=self.channel.accept_versions,
+        )
+        if refused is not None:
+            return self._reject(env, payload, Outcome.UNSUPPORTED, refused[0], refused[1], received_at,
+                                codec=codec)
         ack_mode = "enhanced" if env.enhanced else self.channel.ack
         commit_ack = None
         if ack_mode != "application" and acks.commit_ack_wanted(env, success=True):

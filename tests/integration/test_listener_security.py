@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from agenttest import ack_code, hl7_message, make_test_pki
+from agenttest import ack_code, db_rows, err3, hl7_message, make_test_pki
 
 from agent import mllp
 from agent.config import AdminSettings, AgentSettings, ChannelSettings, Settings
@@ -111,5 +111,33 @@ class TestAllowedSources:
 
         async def scenario(port: int) -> None:
             assert ack_code(await exchange(port, hl7_message("ALLOWED"))) == "AA"
+
+        run_with_agent(tmp_path, channel, scenario)
+
+
+class TestChannelRestrictions:
+    def test_unsupported_event_gets_ar_with_err_201_and_an_audit_row(self, tmp_path: Path) -> None:
+        """A restricted channel answers AR (original mode) with ERR-3 201 and keeps the frame as a nacked row only."""
+        channel = ChannelSettings(name="adt", listen="127.0.0.1:0", accept_message_types=["ADT^A01"])
+
+        async def scenario(port: int) -> None:
+            ack = await exchange(port, hl7_message("OK1"))
+            assert ack_code(ack) == "AA"
+            refused = await exchange(port, hl7_message("NO1").replace(b"ADT^A01^ADT_A01", b"ADT^A08^ADT_A01"))
+            assert ack_code(refused) == "AR"
+            assert err3(refused) == "201"
+
+        run_with_agent(tmp_path, channel, scenario)
+        states = dict(db_rows(tmp_path / "data" / "queue.db", "SELECT control_id, state FROM messages"))
+        assert states == {"OK1": "queued", "NO1": "nacked"}
+
+    def test_enhanced_mode_gets_cr(self, tmp_path: Path) -> None:
+        """An enhanced-mode sender gets CR for a processing id the channel does not take (ERR-3 202)."""
+        channel = ChannelSettings(name="adt", listen="127.0.0.1:0", accept_processing_ids=["P"])
+
+        async def scenario(port: int) -> None:
+            message = hl7_message("T1", msh15="AL").replace(b"|T1|P|", b"|T1|T|")
+            refused = await exchange(port, message)
+            assert (ack_code(refused), err3(refused)) == ("CR", "202")
 
         run_with_agent(tmp_path, channel, scenario)
