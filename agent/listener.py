@@ -380,8 +380,14 @@ class Connection:
                 task_.add_done_callback(self.relay_tasks.discard)
 
     async def _write_ack(self, ack: bytes) -> bool:
-        """Write one ACK frame; True only when the sender can still read it."""
-        if self.closed or self.writer.is_closing() or self.peer_gone.is_set():
+        """Write one ACK frame; True when it counts as delivered.
+
+        A sender that half-closed after its last frame (``nc -N`` style) still
+        reads its ACK, so the ACK is written even after EOF — but then it is
+        recorded undelivered (we cannot know it was read; a retransmit gets it
+        replayed and marked delivered).
+        """
+        if self.closed or self.writer.is_closing():
             return False
         async with self.write_lock:
             try:
@@ -390,7 +396,7 @@ class Connection:
             except (ConnectionError, OSError) as exc:
                 self.log.info("ack_write_failed", error=str(exc))
                 return False
-        return True
+        return not self.peer_gone.is_set()
 
     # -- outcome bookkeeping -------------------------------------------------
 
