@@ -594,12 +594,9 @@ class Connection:
             return reply
         # Original mode, channel ack = "application": hold the answer for the server's ACK.
         if app_ack is None:
-            app_ack = await self._wait_app_ack_while_connected(message_id)
-            if app_ack is None and self.peer_gone.is_set():
-                # The sender left: its retransmit gets the ACK replayed (SPEC 4).
-                self._set_outcome(message_id, "undelivered")
-                self.log.info("application_ack_undelivered", id=message_id, reason="sender closed")
-                return reply
+            # Waits even after the sender's EOF: a half-closed sender still
+            # reads; a gone one makes the write count as undelivered.
+            app_ack = await self.ctx.relay.wait(message_id, self.ctx.application_ack_timeout)
         if app_ack is not None:
             return reply.add(app_ack, self._record_outcome(message_id))
         self._set_outcome(message_id, "undelivered")
@@ -610,21 +607,6 @@ class Connection:
         )
         self._rejected(AckCode.AR)
         return reply.add(ar)
-
-    async def _wait_app_ack_while_connected(self, message_id: str) -> bytes | None:
-        """The application ACK within application_ack_timeout, or None (also when the sender leaves)."""
-        wait = asyncio.ensure_future(self.ctx.relay.wait(message_id, self.ctx.application_ack_timeout))
-        gone = asyncio.ensure_future(self.peer_gone.wait())
-        try:
-            await asyncio.wait({wait, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if wait.done():
-            return wait.result()
-        wait.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await wait
-        return None
 
     async def _relay_application_ack(self, message_id: str, env: Envelope) -> None:
         """Enhanced mode: relay the server's ACK when it comes, if this connection is idle."""
