@@ -212,8 +212,14 @@ def build_ack(
 
     if inbound is not None:
         trigger = copied(inbound.trigger_event)
-        processing_id = copied(inbound.processing_id) or _DEFAULT_PROCESSING_ID
-        version_id = copied(inbound.version_id) or _DEFAULT_VERSION
+        # SPEC 4: MSH-11/12 copied, never a made-up value — an empty MSH-11
+        # stays empty. Only a header so broken that MSH-12 is missing too (a
+        # minimal reject) gets defaults: the ERR layout depends on the version.
+        processing_id = copied(inbound.processing_id)
+        version_id = copied(inbound.version_id)
+        if not version_id:
+            processing_id = processing_id or _DEFAULT_PROCESSING_ID
+            version_id = _DEFAULT_VERSION
         version = _version_tuple(version_id, delims.component)
         swapped = [
             copied(inbound.receiving_app),

@@ -14,8 +14,11 @@ from pathlib import Path
 
 from agent import mllp
 from agent.acks import read_ack_code
+from agent.envelope import read_msh, resolve_codec
+from agent.errors import HL7Error
 
 _LINE_ENDINGS = re.compile(rb"\r\n|\n")
+_UTF8_BOM = b"\xef\xbb\xbf"
 _MSH_START = re.compile(rb"(?:^|\r)(?=MSH)")
 
 
@@ -24,9 +27,15 @@ def split_messages(data: bytes) -> list[bytes]:
 
     Plain text gets ``\\n``/``\\r\\n`` turned into ``\\r`` (SPEC 2).
     """
+    data = data.removeprefix(_UTF8_BOM)  # files saved by Windows editors
     if mllp.START_BLOCK in data:
         decoder = mllp.MllpDecoder(max(len(data), 1))
-        return [e.payload for e in decoder.feed(data) if isinstance(e, mllp.Frame)]
+        events = decoder.feed(data)
+        skipped = sum(e.count for e in events if isinstance(e, mllp.JunkSkipped)) + decoder.buffered_bytes()
+        if skipped:
+            print(f"hl7-agent: send: {skipped} bytes outside complete MLLP frames were not sent "
+                  "(each frame must end with 0x1C 0x0D)", file=sys.stderr)
+        return [e.payload for e in events if isinstance(e, mllp.Frame)]
     text = _LINE_ENDINGS.sub(b"\r", data)
     messages = []
     for chunk in _MSH_START.split(text):
@@ -34,6 +43,18 @@ def split_messages(data: bytes) -> list[bytes]:
         if chunk.startswith(b"MSH"):
             messages.append(chunk + b"\r")
     return messages
+
+
+def decode_ack(ack: bytes) -> str:
+    """An ACK's text in the character set its MSH-18 names (UTF-8 when none, Latin-1 as a last resort)."""
+    try:
+        codec = resolve_codec(read_msh(ack).charset, "utf-8")
+        return ack.decode(codec)
+    except (HL7Error, UnicodeDecodeError, LookupError):
+        try:
+            return ack.decode("utf-8")
+        except UnicodeDecodeError:
+            return ack.decode("latin-1")
 
 
 class AckTimeout(Exception):
@@ -93,9 +114,10 @@ def send_files(host: str, port: int, files: list[str], *, timeout: float = 30.0)
                 print(f"# {name} message {index}: {exc}", file=sys.stderr)
                 failures += 1
                 break
-            for segment in re.split(rb"\r\n|\r|\n", ack):
+            text = decode_ack(ack)
+            for segment in re.split(r"\r\n|\r|\n", text):
                 if segment:
-                    print(segment.decode("utf-8", errors="replace"))
+                    print(segment)
             code = read_ack_code(ack)
             if code not in ("AA", "CA"):
                 failures += 1

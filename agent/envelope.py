@@ -400,3 +400,38 @@ def unsupported_reason(
         if not any(version == v or version.startswith(v + ".") for v in versions):
             return 203, f"version {version} is not accepted on this channel"
     return None
+
+
+# Byte patterns of a frame that starts "MSH" (or a BOM) in a wide encoding.
+# HL7 forbids UTF-16/32 with MLLP; such a frame still gets a reject (SPEC 4),
+# not the silence owed to a frame with no MSH at all.
+_WIDE_STARTS: tuple[tuple[bytes, str], ...] = (
+    (b"\xff\xfe\x00\x00", "utf-32"),
+    (b"\x00\x00\xfe\xff", "utf-32"),
+    (b"\xff\xfe", "utf-16"),
+    (b"\xfe\xff", "utf-16"),
+    (b"M\x00\x00\x00S\x00\x00\x00H\x00\x00\x00", "utf-32-le"),
+    (b"\x00\x00\x00M\x00\x00\x00S\x00\x00\x00H", "utf-32-be"),
+    (b"M\x00S\x00H\x00", "utf-16-le"),
+    (b"\x00M\x00S\x00H", "utf-16-be"),
+)
+
+
+def sniff_wide_encoding(data: bytes) -> str | None:
+    """The UTF-16/32 codec a frame is written in, when it starts with a BOM or a wide "MSH"."""
+    head = data.lstrip(b"\r\n")[:16]
+    for prefix, codec in _WIDE_STARTS:
+        if head.startswith(prefix):
+            return codec
+    return None
+
+
+def read_wide_msh(data: bytes, codec: str) -> Envelope | None:
+    """Best-effort MSH of a UTF-16/32 frame, for the reject ACK's MSA-2 and application swap."""
+    text = data.decode(codec, errors="replace").lstrip("\ufeff\r\n ")
+    try:
+        return read_msh(text.encode("latin-1", errors="replace"))
+    except MalformedMsh as exc:
+        return exc.partial
+    except EnvelopeError:
+        return None

@@ -488,6 +488,13 @@ class Connection:
         try:
             env = envelope.read_msh(payload)
         except NoMshSegment:
+            wide = envelope.sniff_wide_encoding(payload)
+            if wide is not None:
+                # SPEC 4: UTF-16/32 is forbidden by HL7 and rejected — but its MSH
+                # can be read, so the sender gets an ACK, in ASCII.
+                return self._reject(envelope.read_wide_msh(payload, wide), payload, Outcome.MALFORMED, 102,
+                                    f"{wide.upper()} is not allowed for HL7 over MLLP; send an 8-bit encoding",
+                                    received_at)
             # SPEC 4: a frame with no MSH gets no ACK; it is kept as an audit row.
             self.log.warning("frame_without_msh_dropped", size=len(payload))
             self._audit(AuditItem(name, self.remote, payload, "100", "no MSH segment", received_at=received_at))

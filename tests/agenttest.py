@@ -329,3 +329,41 @@ def make_test_pki(directory: Path) -> Path:
         openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext")
     return directory
+
+
+def run_with_agent(tmp_path: Path, channel: Any, scenario: Callable[[int], Any]) -> None:
+    """Run the daemon in-process on port 0 with one channel, await ``scenario(port)``, stop it."""
+    from agent.config import AdminSettings, AgentSettings, Settings
+    from agent.service import Agent
+
+    async def main() -> None:
+        settings = Settings(agent=AgentSettings(id="inproc", data_dir=tmp_path / "data"),
+                            admin=AdminSettings(listen=None), channels=[channel])
+        agent = Agent(settings)
+        await agent.start()
+        try:
+            await scenario(agent.listeners[0].sock.getsockname()[1])
+        finally:
+            agent.stop_requested.set()
+            await agent.shutdown()
+
+    asyncio.run(main())
+
+
+async def exchange(port: int, message: bytes, *, tls: Any = None, raw: bool = False) -> bytes:
+    """Send one frame (or ``raw`` bytes) on a new connection; return the first ACK frame's payload."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls)
+    try:
+        writer.write(message if raw else mllp.encode_frame(message))
+        await writer.drain()
+        decoder = mllp.MllpDecoder(1 << 20)
+        async with asyncio.timeout(10):
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    raise ConnectionError("closed without an ACK")
+                frames = [e for e in decoder.feed(data) if isinstance(e, mllp.Frame)]
+                if frames:
+                    return frames[0].payload
+    finally:
+        writer.close()

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import ssl
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from agenttest import ack_code, db_rows, err3, hl7_message, make_test_pki
+from agenttest import ack_code, db_rows, err3, exchange, hl7_message, make_test_pki, run_with_agent
 
-from agent import mllp
-from agent.config import AdminSettings, AgentSettings, ChannelSettings, Settings
-from agent.service import Agent
+from agent.config import ChannelSettings
 
 
 @pytest.fixture(scope="module")
@@ -21,42 +17,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not available")
     return make_test_pki(tmp_path_factory.mktemp("pki"))
-
-
-def run_with_agent(tmp_path: Path, channel: ChannelSettings,
-                   scenario: Callable[[int], Awaitable[None]]) -> None:
-    """Start the daemon in-process on port 0, run ``scenario(port)``, stop it."""
-
-    async def main() -> None:
-        settings = Settings(agent=AgentSettings(id="sec", data_dir=tmp_path / "data"),
-                            admin=AdminSettings(listen=None), channels=[channel])
-        agent = Agent(settings)
-        await agent.start()
-        try:
-            await scenario(agent.listeners[0].sock.getsockname()[1])
-        finally:
-            agent.stop_requested.set()
-            await agent.shutdown()
-
-    asyncio.run(main())
-
-
-async def exchange(port: int, message: bytes, *, tls: ssl.SSLContext | None = None) -> bytes:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls)
-    try:
-        writer.write(mllp.encode_frame(message))
-        await writer.drain()
-        decoder = mllp.MllpDecoder(1 << 20)
-        async with asyncio.timeout(10):
-            while True:
-                data = await reader.read(65536)
-                if not data:
-                    raise ConnectionError("closed without an ACK")
-                frames = [e for e in decoder.feed(data) if isinstance(e, mllp.Frame)]
-                if frames:
-                    return frames[0].payload
-    finally:
-        writer.close()
 
 
 def client_tls(pki: Path, *, with_cert: bool) -> ssl.SSLContext:

@@ -359,3 +359,12 @@ class TestReadAckCode:
         """An MSA with no MSA-1 gives an empty string."""
         assert read_ack_code(b"MSH|^~\\&|A\rMSA\r") == ""
         assert read_ack_code(b"MSH|^~\\&|A\rMSA||X\r") == ""
+
+
+class TestCopiedNeverInvented:
+    def test_empty_msh11_stays_empty(self) -> None:
+        """An empty inbound MSH-11 is copied as empty, never replaced by a hard-coded P (SPEC 4)."""
+        inbound = read_msh(b"MSH|^~\\&|A|B|C|D|20260101||ADT^A01|X1||2.5.1\r")
+        msh = segments(build_ack(inbound, AckCode.AA))[0]
+        assert msh[10] == ""
+        assert msh[11] == "2.5.1"
