@@ -110,6 +110,7 @@ class Dispatcher:
             LinkSettings(
                 url=server.url or "",
                 token=self._token,
+                token_source=server.token_value if server.token_file is not None else None,
                 agent_id=self.settings.agent.id,
                 version=__version__,
                 connect_timeout=server.connect_timeout,

@@ -76,6 +76,9 @@ class LinkSettings:
     client_key: str | None = None
     reconnect_initial: float = 1.0
     reconnect_cap: float = 60.0
+    #: Called before every connect (token_file rotation needs no restart);
+    #: ``token`` is used when it is None or fails.
+    token_source: Callable[[], str | None] | None = None
 
 
 class SessionClosed(LocalError):
@@ -338,6 +341,7 @@ class UpstreamLink:
         on_connected_change: Callable[[bool], None] | None = None,
     ) -> None:
         self._settings = settings
+        self._token = settings.token
         self._rng = rng
         self._on_connected_change = on_connected_change
         self._current: Session | None = None
@@ -454,10 +458,21 @@ class UpstreamLink:
         done = await unless(coro, self._stop)
         return None if done is None or done.cancelled() else done.result()
 
+    def _current_token(self) -> str | None:
+        """The token for this connect: fresh from its source, else the last one known."""
+        source = self._settings.token_source
+        if source is not None:
+            try:
+                self._token = source()
+            except Exception as exc:  # noqa: BLE001 - an unreadable file must not stop reconnecting
+                self._log.warning("upstream_token_unreadable", error=str(exc))
+        return self._token
+
     async def _connect_once(self) -> Session | None:
         """One attempt: WebSocket upgrade, hello, welcome. None (logged) on failure."""
         s = self._settings
-        headers = {"Authorization": f"Bearer {s.token}"} if s.token else None
+        token = self._current_token()
+        headers = {"Authorization": f"Bearer {token}"} if token else None
         try:
             ws = await connect(
                 s.url,

@@ -151,6 +151,23 @@ class TestHandshake:
 
         run(scenario())
 
+    def test_token_source_is_read_before_every_connect(self) -> None:
+        """A rotated token_file takes effect at the next reconnect, with no restart."""
+        current = {"token": "old-token"}
+
+        async def scenario() -> None:
+            async with dev_server() as server:
+                with capture_logs() as logs:
+                    link = UpstreamLink(settings(server.port, token="old-token",
+                                                 token_source=lambda: current["token"]))
+                    async with running(link):
+                        await until(lambda: len(events(logs, "upstream_auth_failed")) >= 1)
+                        current["token"] = TOKEN  # the operator rotates the file
+                        await link.session()
+                assert server.connections == 1
+
+        run(scenario())
+
     def test_missing_welcome_times_out_and_retries(self) -> None:
         """A server that never welcomes is dropped after connect_timeout and retried."""
         hellos: list[dict[str, Any]] = []
