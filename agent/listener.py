@@ -17,10 +17,10 @@ import ipaddress
 import socket
 import ssl
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from itertools import count
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
@@ -56,6 +56,8 @@ class IntakeContext:
     metrics: AgentMetrics | None = None
     #: Called with the channel name after a row was committed (wakes the dispatcher).
     on_committed: Callable[[str], None] | None = None
+    #: Hands a live connection to the successor at shutdown (SPEC 7); True when taken.
+    hand_over: Callable[[str, int, str, bytes], Awaitable[bool]] | None = None
 
 
 @dataclass
@@ -100,6 +102,7 @@ class ChannelListener:
         self.sock = sock
         self.ctx = ctx
         self.connections: set[Connection] = set()
+        self._adopted_tasks: set[asyncio.Task[None]] = set()
         self._no_connections = asyncio.Event()
         self._no_connections.set()
         self._server: asyncio.Server | None = None
@@ -159,12 +162,27 @@ class ChannelListener:
             self.log.warning("connection_refused_limit", peer=remote, limit=self.channel.max_connections)
             writer.close()
             return
-        sock = writer.get_extra_info("socket")
+        await self._serve(Connection(self, reader, writer, remote))
+
+    async def adopt(self, sock: socket.socket, remote: str, buffered: bytes) -> bool:
+        """Serve a connection a predecessor handed over mid-stream (SPEC 7 upgrade)."""
+        if self._ssl is not None or not self.serving:
+            return False  # TLS state cannot move between processes; nor do we take work while stopping
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=READ_CHUNK)
+        conn = Connection(self, reader, writer, remote, initial=buffered)
+        conn.log.info("connection_adopted", buffered=len(buffered))
+        task = asyncio.create_task(self._serve(conn), name=f"adopted-{conn.conn_id}")
+        self._adopted_tasks.add(task)
+        task.add_done_callback(self._adopted_tasks.discard)
+        return True
+
+    async def _serve(self, conn: Connection) -> None:
+        sock = conn.writer.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
                 # SPEC 4: each ACK in its own write, not coalesced by Nagle.
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = Connection(self, reader, writer, remote)
         self.connections.add(conn)
         self._no_connections.clear()
         try:
@@ -184,8 +202,14 @@ class Connection:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         remote: str,
+        *,
+        initial: bytes = b"",
     ) -> None:
         self.listener = listener
+        #: Bytes a predecessor read from this stream but did not handle (adoption).
+        self.initial = initial
+        #: Re-framed bytes received but not handled when a close stopped reading.
+        self.unhandled = bytearray()
         self.channel = listener.channel
         self.ctx = listener.ctx
         self.reader = reader
@@ -233,7 +257,7 @@ class Connection:
             self.replies.put_nowait(None)
             with contextlib.suppress(Exception):
                 await ack_writer
-            if self.closing.is_set() and not self.closed:
+            if self.closing.is_set() and not self.closed and not await self._hand_over():
                 await self._lingering_close()
             for task in list(self.relay_tasks):
                 task.cancel()
@@ -242,6 +266,41 @@ class Connection:
             with contextlib.suppress(Exception):
                 await self.writer.wait_closed()
             self.log.info("connection_closed")
+
+    async def _hand_over(self) -> bool:
+        """Give the live connection to the successor, with every byte read but not handled (SPEC 7)."""
+        if self.ctx.hand_over is None or self.peer_gone.is_set() or self.listener._ssl is not None:
+            return False
+        in_progress = self.decoder.unconsumed()
+        sock = self.writer.get_extra_info("socket")
+        if in_progress is None or sock is None:
+            return False
+        transport = cast(asyncio.Transport, self.writer.transport)
+        transport.pause_reading()
+        buffered = bytearray(self.unhandled + in_progress)
+        # Bytes asyncio already read into the stream buffer: with reading
+        # paused, a read() returns them at its first step or would wait forever.
+        while True:
+            read = asyncio.ensure_future(self.reader.read(READ_CHUNK))
+            await asyncio.sleep(0)
+            if not read.done():
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await read
+                break
+            data = read.result()
+            if not data:
+                return False  # the sender closed: nothing to hand on
+            buffered += data
+        taken = await self.ctx.hand_over(self.channel.name, sock.fileno(), self.remote, bytes(buffered))
+        if not taken:
+            transport.resume_reading()
+            return False
+        # Our copy of the fd goes; the successor's keeps the connection open.
+        self.closed = True
+        transport.abort()
+        self.log.info("connection_handed_over", buffered=len(buffered))
+        return True
 
     async def _lingering_close(self, linger: float = 2.0) -> None:
         """Close after the last ACK without ever resetting the connection (SPEC 7).
@@ -327,17 +386,21 @@ class Connection:
                 if self.decoder.mid_frame and not self.closed:
                     self.log.info("frame_after_close_dropped", buffered=self.decoder.buffered_bytes())
                 return
-            data = await self._read_chunk()
+            data, self.initial = (self.initial, b"") if self.initial else (await self._read_chunk(), b"")
             if not data:
                 if self.decoder.mid_frame:
                     self.log.warning("connection_closed_mid_frame", buffered=self.decoder.buffered_bytes())
                 return
-            for event in self.decoder.feed(data):
+            events = self.decoder.feed(data)
+            for index, event in enumerate(events):
                 if self.closed:
                     return  # aborted: frames still buffered are not handled (no ACK could go out)
                 if isinstance(event, (mllp.Frame, mllp.OversizeFrame)) and self._stop_between_frames():
-                    # Received but not handled: no ACK, so the sender resends it elsewhere.
-                    self.log.info("frames_after_close_dropped")
+                    # Received but not handled: kept for a successor that adopts this
+                    # connection; otherwise no ACK goes out and the sender resends.
+                    for rest in events[index:]:
+                        if isinstance(rest, mllp.Frame):
+                            self.unhandled += mllp.encode_frame(rest.payload)
                     return
                 received_at = time.time()
                 if isinstance(event, mllp.Frame):

@@ -112,6 +112,18 @@ class MllpDecoder:
         """True while a started frame is incomplete (graceful shutdown waits on it)."""
         return self._in_frame
 
+    def unconsumed(self) -> bytes | None:
+        """The stream bytes of the frame in progress, re-framed, to hand the stream to another reader.
+
+        ``b""`` between frames; None once the frame in progress went over the
+        limit (its bytes were dropped, so the stream cannot be handed on).
+        """
+        if not self._in_frame:
+            return b""
+        if self._oversize:
+            return None
+        return START_BLOCK + bytes(self._buf) + (b"\x1c" if self._pending_fs else b"")
+
     def buffered_bytes(self) -> int:
         """Bytes held for the current frame (bounded by the limit, or the prefix)."""
         return len(self._buf) + len(self._prefix)

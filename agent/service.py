@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from agent import __version__, db, sockets
+from agent import __version__, adoption, db, sockets
 from agent.admin import AdminServer, RuntimeView
 from agent.aio import unless
 from agent.config import Settings
@@ -83,6 +83,7 @@ class Agent:
         self.reader: Reader | None = None
         self.relay: AckRelay | None = None
         self.handover: sockets.HandoverServer | None = None
+        self.adoption: adoption.AdoptionServer | None = None
         self.admin: AdminServer | None = None
         self.dispatcher: Dispatcher | None = None
         self.tasks: list[asyncio.Task[None]] = []
@@ -211,6 +212,7 @@ class Agent:
         except OSError as exc:
             log.warning("handover_server_unavailable", error=str(exc))
             self.handover = None
+        await self._start_adoption(ctx)
         self.metrics.bind_stats(self._view().stats)
         if s.admin.listen:
             admin = AdminServer(s.admin.listen, self._view(), self.metrics)
@@ -244,6 +246,29 @@ class Agent:
             db=str(s.db_path),
             upstream=s.server.url,
         )
+
+    async def _start_adoption(self, ctx: IntakeContext) -> None:
+        """Take live connections from a predecessor, and give ours to a successor (SPEC 7)."""
+        path = self.settings.agent.data_dir / adoption.ADOPT_SOCKET
+
+        async def adopt(channel: str, sock: socket.socket, remote: str, buffered: bytes) -> bool:
+            for listener in self.listeners:
+                if listener.channel.name == channel:
+                    return await listener.adopt(sock, remote, buffered)
+            return False
+
+        server = adoption.AdoptionServer(path, adopt)
+        try:
+            await server.start()
+        except OSError as exc:
+            log.warning("adoption_server_unavailable", error=str(exc))
+            return
+        self.adoption = server
+
+        async def hand_over(channel: str, fd: int, remote: str, buffered: bytes) -> bool:
+            return await adoption.hand_over(path, server.identity, channel, remote, fd, buffered)
+
+        ctx.hand_over = hand_over
 
     async def _supervise(self, coro: Any, name: str) -> None:
         """A crashed side task stops the service instead of dying silently (procrastinate)."""
@@ -341,6 +366,10 @@ class Agent:
         self.notifier.stopping(status="stopping: finishing messages being read")
         if self.handover is not None:
             await self.handover.close()
+        if self.adoption is not None:
+            # Ours stops taking connections; a successor's path is left alone,
+            # and our connections are handed to it below.
+            await self.adoption.close()
         for listener in self.listeners:
             listener.stop_accepting()
         for listener in self.listeners:

@@ -187,7 +187,7 @@ def is_listening(sock: socket.socket) -> bool:
 # handover between processes
 
 
-def _peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the peer of a Unix stream socket (SO_PEERCRED)."""
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
@@ -234,7 +234,7 @@ def _recv_with_fds(sock: socket.socket) -> tuple[bytes, list[int], int]:
     return data, list(fds), flags
 
 
-async def _read_line(
+async def read_line(
     loop: asyncio.AbstractEventLoop,
     sock: socket.socket,
     *,
@@ -269,7 +269,7 @@ async def _read_line(
     return line, fds
 
 
-async def _send_all(
+async def send_all(
     loop: asyncio.AbstractEventLoop,
     sock: socket.socket,
     data: bytes,
@@ -290,6 +290,38 @@ async def _send_all(
         if sent > 0:
             pending_fds = []
         view = view[sent:]
+
+
+def bind_unix_atomically(path: Path) -> tuple[socket.socket, tuple[int, int]]:
+    """A listening Unix socket published at ``path`` by rename, 0600 before anyone can connect.
+
+    Returns the socket and the (dev, inode) identity of the published file, so
+    its owner can later tell whether ``path`` is still its own.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(tmp))
+        os.chmod(tmp, 0o600)
+        sock.listen(8)
+        sock.setblocking(False)
+        st = os.stat(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return sock, (st.st_dev, st.st_ino)
+
+
+def path_identity(path: Path) -> tuple[int, int] | None:
+    """(dev, inode) of ``path``, or None when it does not exist."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 class HandoverServer:
@@ -347,21 +379,7 @@ class HandoverServer:
             self._identity = None
 
     def _bind(self) -> tuple[socket.socket, tuple[int, int]]:
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(str(tmp))
-            os.chmod(tmp, 0o600)
-            sock.listen(8)
-            sock.setblocking(False)
-            st = os.stat(tmp)
-            os.replace(tmp, self.path)
-        except BaseException:
-            sock.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        return sock, (st.st_dev, st.st_ino)
+        return bind_unix_atomically(self.path)
 
     def _serve_on(self, sock: socket.socket, identity: tuple[int, int]) -> None:
         self._server_sock = sock
@@ -379,11 +397,7 @@ class HandoverServer:
             sock.close()
 
     def _path_identity(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        return st.st_dev, st.st_ino
+        return path_identity(self.path)
 
     async def _watch(self) -> None:
         """Publish our server again when ``path`` vanished.
@@ -427,7 +441,7 @@ class HandoverServer:
         with conn:
             conn.setblocking(False)
             try:
-                peer_pid, peer_uid, _gid = _peer_credentials(conn)
+                peer_pid, peer_uid, _gid = peer_credentials(conn)
             except OSError:
                 peer_pid, peer_uid = -1, -1
             # The file is 0600 in a 0700 directory; refuse other users anyway.
@@ -447,8 +461,8 @@ class HandoverServer:
             )
             try:
                 async with asyncio.timeout(10.0):
-                    await _send_all(loop, conn, header, [socks[n].fileno() for n in names])
-                    line, _ = await _read_line(loop, conn, with_fds=False)
+                    await send_all(loop, conn, header, [socks[n].fileno() for n in names])
+                    line, _ = await read_line(loop, conn, with_fds=False)
                 reply = json.loads(line)
             except (OSError, HandoverError, TimeoutError, ValueError) as exc:
                 log.warning("handover_failed", peer_pid=peer_pid, error=str(exc))
@@ -480,7 +494,7 @@ async def receive_handover(path: Path, timeout: float = 5.0) -> dict[str, socket
                     await loop.sock_connect(sock, str(path))
                 except (FileNotFoundError, ConnectionRefusedError):
                     return None
-                line, fds = await _read_line(loop, sock, with_fds=True)
+                line, fds = await read_line(loop, sock, with_fds=True)
                 try:
                     header = json.loads(line)
                     names = header["names"]
@@ -505,7 +519,7 @@ async def receive_handover(path: Path, timeout: float = 5.0) -> dict[str, socket
                     if not is_listening(s):
                         raise HandoverError(f"handed-over socket {name!r} is not listening")
                     s.setblocking(False)
-                await _send_all(loop, sock, b'{"ok":true}\n', [])
+                await send_all(loop, sock, b'{"ok":true}\n', [])
         except TimeoutError as exc:
             raise HandoverError(f"handover from {path} timed out after {timeout}s") from exc
         except OSError as exc:

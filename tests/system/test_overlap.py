@@ -101,7 +101,7 @@ class Sender(threading.Thread):
 
 
 def test_overlap_refuses_nothing_and_delivers_everything_once_in_order(tmp_path: Path) -> None:
-    """Start a second daemon on the same config and database, SIGTERM the first under load: nothing is refused, lost, duplicated or reordered."""
+    """Start a second daemon on the same config and database, SIGTERM the first under load: nothing is refused, lost, duplicated or reordered, and no connection even drops."""
     dev = DevServerThread().start()
     ports = {"adt": free_port(), "lab": free_port()}
     channels = [{"name": name, "listen": f"127.0.0.1:{port}"} for name, port in ports.items()]
@@ -148,6 +148,10 @@ def test_overlap_refuses_nothing_and_delivers_everything_once_in_order(tmp_path:
     stats = [s.stats for s in senders]
     assert all(not st.errors for st in stats), [st.errors for st in stats]
     assert sum(st.refused for st in stats) == 0, "a sender saw a refused connection"
+    # Live connections are handed to the new process with the bytes in flight:
+    # no sender even sees its connection end, so no ACK can be lost.
+    assert [st.reconnects for st in stats] == [0] * len(stats), "a sender lost its connection"
+    assert new.has_event("connection_adopted"), new.log_tail()
     assert [x for st in stats for x in st.non_accept] == [], "a sender got a non-accept ACK"
     assert old.has_event("lease_released"), old.log_tail()
 
