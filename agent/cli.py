@@ -28,6 +28,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+def _port(text: str) -> int:
+    """A TCP port for --port: 1-65535 (a usage error, exit 2, otherwise)."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1-65535)")
+    return int(text)
+
+
 def _global_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
     # SUPPRESS on subparsers so a flag given before the subcommand is not reset.
     default: Any = None if top else argparse.SUPPRESS
@@ -55,13 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     send = command("send", "send HL7 files over MLLP and print each ACK")
     send.add_argument("--host", default="127.0.0.1")
-    send.add_argument("--port", type=int, required=True)
+    send.add_argument("--port", type=_port, required=True)
     send.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each ACK")
     send.add_argument("files", nargs="+", metavar="FILE")
 
     dev = command("dev-server", "run the reference upstream server (protocol v1)")
     dev.add_argument("--host", default="127.0.0.1")
-    dev.add_argument("--port", type=int, default=8080)
+    dev.add_argument("--port", type=_port, default=8080)
     dev.add_argument("--token-file", default=None, help="file holding the expected bearer token "
                      "(else $HL7_AGENT_DEV_TOKEN)")
     dev.add_argument("--no-replay", action="store_true", help="announce replay: false")
@@ -214,7 +221,14 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(words)
+    except SystemExit as exc:
+        # SPEC 2: `health` exits 0 or 1 only (Docker reserves 2), even for a bad flag.
+        if exc.code == EXIT_USAGE and "health" in words:
+            return EXIT_FAILURE
+        raise
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

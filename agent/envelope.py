@@ -260,6 +260,10 @@ CHARSETS_0211: dict[str, str | None] = {
     "ISO IR 100": "iso8859-1",
     "ISO IR192": "utf-8",
     "ISO IR 192": "utf-8",
+    # ISO 2022 (7-bit, escape sequences; the MLLP framing bytes never occur).
+    "ISO IR14": "iso2022_jp",
+    "ISO IR87": "iso2022_jp",
+    "ISO IR159": "iso2022_jp_2",
     "SJIS": "cp932",
     "GB 18030-2000": "gb18030",
     "BIG-5": "big5",

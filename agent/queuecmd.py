@@ -809,6 +809,9 @@ def cmd_export(settings: Settings, args: argparse.Namespace) -> int:
     if args.out != "-" and not Path(args.out).parent.is_dir():
         _err(f"cannot write {args.out}: no such directory")
         return EXIT_FAILURE
+    if args.out != "-" and Path(args.out).is_dir():
+        _err(f"cannot write {args.out}: it is a directory; name a file inside it")
+        return EXIT_FAILURE
     written = vanished = total_bytes = 0
     with open_store(settings, write=False) as store:
         conn = store.conn

@@ -27,7 +27,7 @@ from agent import __version__, adoption, db, sockets
 from agent.admin import AdminServer, RuntimeView
 from agent.aio import unless
 from agent.config import Settings
-from agent.errors import AdminListenInUse, ConfigError, StorageError
+from agent.errors import AdminListenInUse, LocalError, StorageError
 from agent.listener import ChannelListener, IntakeContext
 from agent.metrics import AgentMetrics
 from agent.relay import AckRelay
@@ -139,7 +139,9 @@ class Agent:
             try:
                 found[channel.name] = sockets.bind_listener(channel.host, channel.port, reuse_port=reuse_port)
             except OSError as exc:
-                raise ConfigError(
+                # A runtime failure (exit 1), not a configuration error: the
+                # same config works once the port is free.
+                raise LocalError(
                     f"channels.{channel.name}.listen: cannot listen on {channel.listen}: {exc.strerror or exc}"
                 ) from exc
         return found
@@ -415,6 +417,7 @@ async def run_agent(settings: Settings) -> int:
     try:
         await agent.start()
     except BaseException:
+        agent.exit_code = 1
         await agent.shutdown()
         raise
     await agent.stop_requested.wait()

@@ -640,10 +640,14 @@ class SqliteStore:
             entry[state] = int(n)
             if oldest is not None:
                 entry["oldest_queued_age_s"] = round(max(0.0, now - float(oldest)), 3)
-        lease = self.lease()
+        row = self._one("lease_row")
         lease_obj = None
-        if lease is not None and lease.expires_at > now:
-            lease_obj = {"holder": lease.holder, "epoch": lease.epoch, "expires_at": rfc3339(lease.expires_at)}
+        if row is not None and row[0] is not None and row[6] is not None and float(row[6]) > now:
+            holder, pid, boot, pidns, start, epoch, expires_at = row
+            # SPEC 2: null while no process holds it — a holder provably dead
+            # (kill -9 on this host) holds nothing, whatever its expiry says.
+            if not holder_provably_dead(pid, boot, pidns, start):
+                lease_obj = {"holder": holder, "epoch": int(epoch), "expires_at": rfc3339(float(expires_at))}
         return {
             "states": by_state,
             "channels": dict(sorted(channels.items())),
