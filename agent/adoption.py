@@ -31,7 +31,14 @@ from pathlib import Path
 import structlog
 
 from agent.errors import HandoverError
-from agent.sockets import bind_unix_atomically, path_identity, peer_credentials, read_line, send_all
+from agent.sockets import (
+    accept_forever,
+    bind_unix_atomically,
+    path_identity,
+    peer_credentials,
+    read_line,
+    send_all,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -77,17 +84,7 @@ class AdoptionServer:
                 os.unlink(self.path)
 
     async def _accept_loop(self, server: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(server)
-            except OSError as exc:
-                log.warning("adoption_accept_failed", error=str(exc))
-                await asyncio.sleep(0.1)
-                continue
-            task = asyncio.create_task(self._serve(conn), name="adoption-conn")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        await accept_forever(server, self._serve, self._tasks, name="adoption")
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()

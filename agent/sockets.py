@@ -35,8 +35,9 @@ import os
 import secrets
 import socket
 import struct
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Coroutine, MutableMapping
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -324,6 +325,29 @@ def path_identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+async def accept_forever(
+    server: socket.socket,
+    serve: Callable[[socket.socket], Coroutine[Any, Any, None]],
+    tasks: set[asyncio.Task[None]],
+    *,
+    name: str,
+) -> None:
+    """Accept on a Unix server socket and serve each peer in a tracked task, until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            conn, _ = await loop.sock_accept(server)
+        except OSError as exc:
+            # Transient (EMFILE, ECONNABORTED): keep serving, the peer
+            # retries; never kill the daemon over it.
+            log.warning(f"{name}_accept_failed", error=str(exc))
+            await asyncio.sleep(0.1)
+            continue
+        task = asyncio.create_task(serve(conn), name=f"{name}-conn")
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+
 class HandoverServer:
     """Serves this process's listening sockets to a successor over a Unix socket (SCM_RIGHTS)."""
 
@@ -422,19 +446,7 @@ class HandoverServer:
             log.info("handover_server_republished", path=str(self.path))
 
     async def _accept_loop(self, server: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(server)
-            except OSError as exc:
-                # Transient (EMFILE, ECONNABORTED): keep serving, the
-                # successor retries; never kill the daemon over it.
-                log.warning("handover_accept_failed", error=str(exc))
-                await asyncio.sleep(0.1)
-                continue
-            task = asyncio.create_task(self._serve(conn), name="handover-conn")
-            self._conn_tasks.add(task)
-            task.add_done_callback(self._conn_tasks.discard)
+        await accept_forever(server, self._serve, self._conn_tasks, name="handover")
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()

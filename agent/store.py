@@ -498,6 +498,22 @@ class SqliteStore:
     def _fenced(self, name: str, holder: str, epoch: int, **params: Any) -> sqlite3.Cursor:
         return self.conn.execute(self.q[name], {"holder": holder, "epoch": epoch, **params})
 
+    def _transition(self, name: str, holder: str, epoch: int, message_id: str, **params: Any) -> bool:
+        """One fenced, guarded state change: True when the row moved.
+
+        Zero rows means the guard did not match (another attempt, another
+        state) — or the fence failed, which raises LeaseLost. An application
+        ACK settled with the row is also kept with its dedupe key, for replay.
+        """
+        cur = self._fenced(name, holder, epoch, id=message_id, now=self.clock(), **params)
+        if cur.rowcount == 0:
+            self._check_fence(holder, epoch)
+            return False
+        app_ack = params.get("app_ack")
+        if app_ack is not None:
+            self.conn.execute(self.q["dedupe_set_app_ack"], {"message_id": message_id, "app_ack": app_ack})
+        return True
+
     def _check_fence(self, holder: str, epoch: int) -> None:
         if self._one("lease_fence", holder=holder, epoch=epoch) is None:
             raise LeaseLost(f"lease epoch {epoch} is no longer held by {holder}")
@@ -520,10 +536,7 @@ class SqliteStore:
         return [r[0] for r in self.conn.execute(self.q["live_channels"])]
 
     def claim(self, holder: str, epoch: int, message_id: str) -> bool:
-        cur = self._fenced("claim", holder, epoch, id=message_id, now=self.clock())
-        if cur.rowcount == 0:
-            self._check_fence(holder, epoch)
-        return cur.rowcount == 1
+        return self._transition("claim", holder, epoch, message_id)
 
     def mark_inflight(self, holder: str, epoch: int, message_id: str, from_state: str, attempts: int) -> int:
         """Committed *before* the frame is written (SPEC 6). Returns the new attempt number."""
@@ -553,31 +566,21 @@ class SqliteStore:
         """inflight → processed/rejected/failed for exactly this attempt."""
         if state not in states.SETTLED:
             raise ValueError(f"cannot settle into {state!r}")
-        cur = self._fenced(
-            "settle", holder, epoch, id=message_id, attempt=attempt, state=state,
+        return self._transition(
+            "settle", holder, epoch, message_id, attempt=attempt, state=state,
             server_status=server_status, server_ack=server_ack, app_ack=app_ack,
-            error_code=error_code, error_text=error_text, now=self.clock(),
+            error_code=error_code, error_text=error_text,
         )
-        if cur.rowcount == 0:
-            self._check_fence(holder, epoch)
-            return False
-        if app_ack is not None:
-            self.conn.execute(self.q["dedupe_set_app_ack"], {"message_id": message_id, "app_ack": app_ack})
-        return True
 
     def requeue(
         self, holder: str, epoch: int, message_id: str, attempt: int, next_attempt_at: float,
         *, server_status: int | None = None, error_code: str | None = None, error_text: str | None = None,
     ) -> bool:
         """inflight/claimed → queued with a backoff; the row stays the channel head."""
-        cur = self._fenced(
-            "requeue", holder, epoch, id=message_id, attempt=attempt, next_attempt_at=next_attempt_at,
-            server_status=server_status, error_code=error_code, error_text=error_text, now=self.clock(),
+        return self._transition(
+            "requeue", holder, epoch, message_id, attempt=attempt, next_attempt_at=next_attempt_at,
+            server_status=server_status, error_code=error_code, error_text=error_text,
         )
-        if cur.rowcount == 0:
-            self._check_fence(holder, epoch)
-            return False
-        return True
 
     def fail_live(
         self, holder: str, epoch: int, message_id: str, attempt: int, state: str,
@@ -586,16 +589,10 @@ class SqliteStore:
         """A live row straight to failed/rejected (ambiguous inflight, too big, attempts exhausted)."""
         if state not in ("failed", "rejected"):
             raise ValueError(f"fail_live cannot set {state!r}")
-        cur = self._fenced(
-            "fail_live", holder, epoch, id=message_id, attempt=attempt, state=state,
-            error_code=error_code, error_text=error_text, app_ack=app_ack, now=self.clock(),
+        return self._transition(
+            "fail_live", holder, epoch, message_id, attempt=attempt, state=state,
+            error_code=error_code, error_text=error_text, app_ack=app_ack,
         )
-        if cur.rowcount == 0:
-            self._check_fence(holder, epoch)
-            return False
-        if app_ack is not None:
-            self.conn.execute(self.q["dedupe_set_app_ack"], {"message_id": message_id, "app_ack": app_ack})
-        return True
 
     # -- channels ------------------------------------------------------------
 
