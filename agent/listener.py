@@ -276,6 +276,15 @@ class Connection:
         if in_progress is None or sock is None:
             return False
         transport = cast(asyncio.Transport, self.writer.transport)
+        # ACKs still in asyncio's write buffer would be lost with our fd.
+        deadline = time.monotonic() + 2.0
+        while transport.get_write_buffer_size() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        if transport.get_write_buffer_size():
+            return False  # a sender that does not read: close it the usual way
+        # From here no ACK may be written on our side (a late enhanced-mode relay
+        # is recorded undelivered and replayed on retransmit instead).
+        self.closed = True
         transport.pause_reading()
         buffered = bytearray(self.unhandled + in_progress)
         # Bytes asyncio already read into the stream buffer: with reading
@@ -290,14 +299,16 @@ class Connection:
                 break
             data = read.result()
             if not data:
+                self.closed = False
+                transport.resume_reading()
                 return False  # the sender closed: nothing to hand on
             buffered += data
         taken = await self.ctx.hand_over(self.channel.name, sock.fileno(), self.remote, bytes(buffered))
         if not taken:
+            self.closed = False
             transport.resume_reading()
             return False
         # Our copy of the fd goes; the successor's keeps the connection open.
-        self.closed = True
         transport.abort()
         self.log.info("connection_handed_over", buffered=len(buffered))
         return True
