@@ -59,7 +59,6 @@ class IntakeResult:
     commit_ack: bytes | None = None  # duplicates: the ACK to replay
     app_ack: bytes | None = None  # duplicates: the application ACK, once known
     prior_state: str | None = None  # duplicates: the original row's state
-    settled: bool = False  # duplicates: the original is processed/rejected/failed
 
 
 @dataclass(frozen=True)
@@ -294,7 +293,6 @@ class SqliteStore:
                     commit_ack=commit_ack,
                     app_ack=app_ack,
                     prior_state=state,
-                    settled=state in states.SETTLED if state else True,
                 )
             return IntakeResult(outcome="conflict", message_id=prior_id, ack_mode=item.ack_mode)
         if self.over_limits(now):

@@ -56,8 +56,6 @@ class Writer:
         self._deferred: list[_Job] = []
         self._deferred_lock = threading.Lock()
         self.defer_flush_interval = 0.5
-        self.last_commit_ok = True
-        self.last_error: str | None = None
         self.batches = 0
 
     def start(self) -> None:
@@ -183,8 +181,6 @@ class Writer:
             self._fail_all(batch, _as_storage_error(exc))
             return
         self.batches += 1
-        self.last_commit_ok = True
-        self.last_error = None
         for job, (ok, value) in zip(batch, outcomes, strict=True):
             if job.future.set_running_or_notify_cancel():
                 if ok:
@@ -193,8 +189,6 @@ class Writer:
                     job.future.set_exception(value)
 
     def _fail_all(self, batch: list[_Job], error: AgentError) -> None:
-        self.last_commit_ok = False
-        self.last_error = str(error)
         # Callers first: a failing log stream (EPIPE, full disk) must not
         # leave them waiting.
         self._resolve_pending(batch, error)
