@@ -18,14 +18,15 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agent import mllp
 from agent.devserver import Answer, DevServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 SAMPLE_ADT = (
     "MSH|^~\\&|LAB|NORTH|EHR|CENTRAL|20260101120000||ADT^A01^ADT_A01|{cid}|P|2.5.1\r"
@@ -367,3 +368,30 @@ async def exchange(port: int, message: bytes, *, tls: Any = None, raw: bool = Fa
                     return frames[0].payload
     finally:
         writer.close()
+
+
+def run_async(coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+    """Run one async scenario with an overall deadline, so a hang fails fast."""
+
+    async def bounded() -> T:
+        async with asyncio.timeout(timeout):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+async def until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll ``predicate`` inside a loop with a deadline (a wait, not a sleep-as-synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def log_events(logs: list[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
+    """Entries of ``structlog.testing.capture_logs()`` with this event name."""
+    return [entry for entry in logs if entry["event"] == name]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -11,12 +10,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Coroutine, MutableMapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from agenttest import log_events as events
+from agenttest import run_async as run
 from structlog.testing import capture_logs
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -35,14 +36,6 @@ from agent.protocol import (
 T = TypeVar("T")
 TOKEN = "dev-token"
 BODY = "MSH|^~\\&|LAB|HOSP|EHR|HOSP|20240501123000||ORU^R01|CTRL42|T|2.5.1\rOBX|1|NM|x||7\r"
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    async def bounded() -> T:
-        async with asyncio.timeout(20):
-            return await coro
-
-    return asyncio.run(bounded())
 
 
 def transmit(attempt: int = 1, *, id: str = "id-1", body: str = BODY) -> Transmit:
@@ -85,10 +78,6 @@ async def hello(ws: ClientConnection) -> Welcome:
     welcome = parse_server_frame(await ws.recv())
     assert isinstance(welcome, Welcome)
     return welcome
-
-
-def events(logs: list[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
-    return [entry for entry in logs if entry["event"] == name]
 
 
 class TestAuth:

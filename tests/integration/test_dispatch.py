@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from agenttest import run_async as run
+from agenttest import until
 
 from agent import mllp
 from agent.config import Settings
@@ -29,28 +31,6 @@ from tests.agenttest import ack_code, db_rows, free_port, hl7_message, msa2
 T = TypeVar("T")
 TOKEN = "test-token"
 ACK_TIMEOUT = 10.0
-
-
-def run(coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
-    """Run one async scenario with an overall deadline, so a hang fails fast."""
-
-    async def bounded() -> T:
-        async with asyncio.timeout(timeout):
-            return await coro
-
-    return asyncio.run(bounded())
-
-
-async def until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    """Poll ``predicate`` with a deadline (a wait, not a sleep-as-synchronisation)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 # -- the pieces --------------------------------------------------------------

@@ -6,13 +6,15 @@ import asyncio
 import json
 import shutil
 import ssl
-from collections.abc import AsyncIterator, Callable, Coroutine, MutableMapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from agenttest import make_test_pki
+from agenttest import log_events as events
+from agenttest import make_test_pki, until
+from agenttest import run_async as run
 from structlog.testing import capture_logs
 from websockets.asyncio.client import connect as ws_connect
 from websockets.asyncio.server import ServerConnection, serve
@@ -33,23 +35,6 @@ from agent.upstream import (
 T = TypeVar("T")
 TOKEN = "s3cret-token"
 BODY = "MSH|^~\\&|LAB|HOSP|EHR|HOSP|20240501123000||ADT^A01|MSG0001|P|2.5\rPID|1||123\r"
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run one async scenario with an overall deadline, so a hang fails fast."""
-
-    async def bounded() -> T:
-        async with asyncio.timeout(20):
-            return await coro
-
-    return asyncio.run(bounded())
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll ``predicate`` with a deadline (a wait, not a sleep-as-synchronisation)."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 def settings(port: int, **overrides: Any) -> LinkSettings:
@@ -101,10 +86,6 @@ async def dev_server(**kwargs: Any) -> AsyncIterator[DevServer]:
         yield server
     finally:
         await server.stop()
-
-
-def events(logs: list[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
-    return [entry for entry in logs if entry["event"] == name]
 
 
 class TestHandshake:
