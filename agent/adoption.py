@@ -44,6 +44,10 @@ log = structlog.get_logger(__name__)
 
 ADOPT_SOCKET = "adopt.sock"
 _VERSION = 1
+#: Read-but-unhandled bytes that travel with a connection (pipelined frames).
+#: Beyond this the giver closes the usual way instead; base64 makes the line ~4/3 of it.
+MAX_BUFFERED = 8 * 1024 * 1024
+_MAX_LINE = MAX_BUFFERED * 4 // 3 + 4096
 
 #: (channel, connected socket, remote, bytes read but not handled) -> served?
 Adopter = Callable[[str, socket.socket, str, bytes], Awaitable[bool]]
@@ -101,7 +105,7 @@ class AdoptionServer:
             ok = False
             try:
                 async with asyncio.timeout(5.0):
-                    line, fds = await read_line(loop, conn, with_fds=True)
+                    line, fds = await read_line(loop, conn, with_fds=True, max_bytes=_MAX_LINE)
                     header = json.loads(line)
                     if len(fds) != 1 or not isinstance(header, dict) or header.get("v") != _VERSION:
                         raise HandoverError("malformed adoption request")
@@ -136,7 +140,7 @@ async def hand_over(
     the exchange fails: the caller then closes the connection itself.
     """
     current = path_identity(path)
-    if current is None or current == own_identity:
+    if current is None or current == own_identity or len(buffered) > MAX_BUFFERED:
         return False
     loop = asyncio.get_running_loop()
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -226,7 +226,7 @@ def _recv_with_fds(sock: socket.socket) -> tuple[bytes, list[int], int]:
     """
     item = array.array("i").itemsize
     data, ancdata, flags, _addr = sock.recvmsg(
-        4096, socket.CMSG_SPACE(_MAX_FDS * item), socket.MSG_CMSG_CLOEXEC
+        65536, socket.CMSG_SPACE(_MAX_FDS * item), socket.MSG_CMSG_CLOEXEC
     )
     fds = array.array("i")
     for level, kind, payload in ancdata:
@@ -240,13 +240,15 @@ async def read_line(
     sock: socket.socket,
     *,
     with_fds: bool,
+    max_bytes: int = _MAX_HEADER_BYTES,
 ) -> tuple[bytes, list[int]]:
     """Read one ``\\n``-terminated line, collecting any SCM_RIGHTS fds on the way."""
     buf = bytearray()
     fds: list[int] = []
+    data = b""
     try:
-        while b"\n" not in buf:
-            if len(buf) > _MAX_HEADER_BYTES:
+        while b"\n" not in data:  # only the newest chunk can hold the end: linear in the line
+            if len(buf) > max_bytes:
                 raise HandoverError("handover header too long")
             try:
                 if with_fds:
@@ -255,7 +257,7 @@ async def read_line(
                     if flags & socket.MSG_CTRUNC:
                         raise HandoverError("handover fds truncated (MSG_CTRUNC)")
                 else:
-                    data = sock.recv(4096)
+                    data = sock.recv(65536)
             except BlockingIOError:
                 await _wait_fd(loop, sock, write=False)
                 continue

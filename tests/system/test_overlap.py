@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -25,6 +26,8 @@ from agenttest import (
     toml_config,
     wait_for,
 )
+
+from agent import mllp
 
 pytestmark = pytest.mark.slow
 
@@ -219,3 +222,54 @@ def test_successor_without_its_own_admin_address_still_takes_over(tmp_path: Path
     finally:
         old.stop()
         assert new.stop() == 0
+
+
+def test_pipelining_sender_keeps_every_ack_across_the_overlap(tmp_path: Path) -> None:
+    """A sender that writes frames back to back, without waiting, gets one AA per frame, in order, across an upgrade."""
+    port = free_port()
+    config = toml_config(tmp_path / "data", [{"name": "adt", "listen": f"127.0.0.1:{port}"}],
+                         admin_port=free_port())
+    old = Daemon(tmp_path, config, name="old")
+    new = Daemon(tmp_path, config, name="new", env={"HL7_AGENT_ADMIN__LISTEN": f"127.0.0.1:{free_port()}"})
+    total = 3000
+    acks: list[tuple[str, str]] = []
+    eof = threading.Event()
+    try:
+        old.start().wait_started()
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+
+        def write() -> None:
+            with contextlib.suppress(OSError):
+                for n in range(total):
+                    sock.sendall(mllp.encode_frame(hl7_message(f"P-{n:06d}")))
+
+        def read() -> None:
+            decoder = mllp.MllpDecoder(1 << 20)
+            with contextlib.suppress(OSError):
+                while len(acks) < total:
+                    data = sock.recv(65536)
+                    if not data:
+                        break
+                    acks.extend((msa2(e.payload), ack_code(e.payload))
+                                for e in decoder.feed(data) if isinstance(e, mllp.Frame))
+            eof.set()
+
+        threads = [threading.Thread(target=write, daemon=True), threading.Thread(target=read, daemon=True)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: len(acks) >= 300, 30, what="acks before the upgrade")
+        new.start().wait_started()
+        assert new.has_event("listeners_received_by_handover"), new.log_tail()
+        old.signal(signal.SIGTERM)
+        assert old.wait_exit(20) == 0, old.log_tail()
+        wait_for(lambda: eof.is_set(), 60, what="all acks")
+        for thread in threads:
+            thread.join(10)
+        sock.close()
+    finally:
+        old.stop()
+        new.stop()
+    assert len(acks) == total, f"{total - len(acks)} frames got no ACK"
+    assert [cid for cid, _ in acks] == [f"P-{n:06d}" for n in range(total)]
+    assert {code for _, code in acks} == {"AA"}
+
