@@ -30,6 +30,7 @@ from pathlib import Path
 
 import structlog
 
+from agent.aio import cancel_and_wait
 from agent.errors import HandoverError
 from agent.sockets import (
     accept_forever,
@@ -72,14 +73,7 @@ class AdoptionServer:
     async def close(self) -> None:
         """Stop taking connections; remove the path only while it is still ours."""
         task, self._accept_task = self._accept_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for conn_task in list(self._tasks):
-            conn_task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(task, *self._tasks)
         if self._sock is not None:
             self._sock.close()
             self._sock = None

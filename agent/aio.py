@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -32,3 +32,18 @@ async def unless(
             if not task.cancelled():
                 task.exception()  # retrieved: it ended while being abandoned
     return task if finished else None
+
+
+async def cancel_and_wait(*tasks: asyncio.Future[Any] | None) -> None:
+    """Cancel ``tasks`` and wait until each has finished unwinding.
+
+    Their own CancelledError (or a late error) is collected here, never
+    raised; a cancellation of *our* caller still propagates (STYLE: never
+    swallow CancelledError), which a bare ``suppress(CancelledError)`` around
+    ``await task`` would do.
+    """
+    pending = [task for task in tasks if task is not None]
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)

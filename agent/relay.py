@@ -15,6 +15,7 @@ import contextlib
 
 import structlog
 
+from agent.aio import cancel_and_wait
 from agent.errors import StorageError
 from agent.store import SqliteStore
 from agent.writer import Reader
@@ -86,7 +87,4 @@ class AckRelay:
                 self.settled(message_id, app_ack)
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        await cancel_and_wait(self._poller)

@@ -25,7 +25,7 @@ import structlog
 
 from agent import __version__, adoption, db, sockets
 from agent.admin import AdminServer, RuntimeView
-from agent.aio import unless
+from agent.aio import cancel_and_wait, unless
 from agent.config import Settings
 from agent.errors import AdminListenInUse, LocalError, StorageError
 from agent.listener import ChannelListener, IntakeContext
@@ -390,11 +390,7 @@ class Agent:
         if self.dispatcher is not None:
             await self._within(self.dispatcher.stop(deadline=deadline - 1.0, force=self.force_stop),
                                deadline - 0.5)
-        for task in self.tasks:
-            task.cancel()
-        for task in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(*self.tasks)
         if self.relay is not None:
             await self.relay.close()
         if self.admin is not None:

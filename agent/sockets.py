@@ -41,6 +41,7 @@ from typing import Any
 
 import structlog
 
+from agent.aio import cancel_and_wait
 from agent.errors import HandoverError
 
 log = structlog.get_logger(__name__)
@@ -389,15 +390,9 @@ class HandoverServer:
     async def close(self) -> None:
         """Stop serving; remove ``path`` only while it is still ours (same inode)."""
         watch, self._watch_task = self._watch_task, None
-        if watch is not None:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+        await cancel_and_wait(watch)
         await self._stop_accepting()
-        for conn_task in list(self._conn_tasks):
-            conn_task.cancel()
-        if self._conn_tasks:
-            await asyncio.gather(*self._conn_tasks, return_exceptions=True)
+        await cancel_and_wait(*self._conn_tasks)
         if self._identity is not None:
             if self._path_identity() == self._identity:
                 with contextlib.suppress(FileNotFoundError):
@@ -414,10 +409,7 @@ class HandoverServer:
 
     async def _stop_accepting(self) -> None:
         task, self._accept_task = self._accept_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         sock, self._server_sock = self._server_sock, None
         if sock is not None:
             sock.close()
