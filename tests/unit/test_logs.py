@@ -31,8 +31,14 @@ def restore_logging() -> Iterator[None]:
     root.setLevel(level)
 
 
+def written(stream: io.StringIO) -> str:
+    """What reached the stream once the sink's writer thread has caught up."""
+    assert logs.flush_logs(5.0), "log sink did not drain"
+    return stream.getvalue()
+
+
 def lines(stream: io.StringIO) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in stream.getvalue().splitlines()]
+    return [json.loads(line) for line in written(stream).splitlines()]
 
 
 class TestJson:
@@ -79,11 +85,12 @@ class TestJson:
         assert entry["level"] == "error"
         assert "ZeroDivisionError: boom" in entry["exception"]
 
-    def test_default_stream_is_stderr(self, capsys: pytest.CaptureFixture[str]) -> None:
-        """Without a stream, logs go to stderr, never stdout (stdout is for command output)."""
+    def test_default_stream_is_stderr(self, capfd: pytest.CaptureFixture[str]) -> None:
+        """Without a stream, logs go to fd 2, never stdout (stdout is for command output)."""
         configure_logging()
         structlog.get_logger().info("agent_started")
-        captured = capsys.readouterr()
+        assert logs.flush_logs(5.0)
+        captured = capfd.readouterr()
         assert captured.out == ""
         assert json.loads(captured.err)["event"] == "agent_started"
 
@@ -125,7 +132,7 @@ class TestBodiesNeverLogged:
         out = io.StringIO()
         configure_logging("info", "json", out)
         structlog.get_logger().info("oops", **{key: "PID|1||12345^^^HOSP||DOE^JOHN"})
-        text = out.getvalue()
+        text = written(out)
         assert "DOE^JOHN" not in text
         assert lines(out)[0][key] == "<redacted>"
 
@@ -148,7 +155,7 @@ class TestStdlib:
         configure_logging("debug", "json", out)
         logging.getLogger("websockets.client").info("frame body")
         logging.getLogger("websockets.client").debug("frame body")
-        assert out.getvalue() == ""
+        assert written(out) == ""
 
     def test_stdlib_exceptions_are_formatted(self) -> None:
         """A stdlib logger.exception() carries its traceback."""
@@ -166,7 +173,7 @@ class TestStdlib:
         configure_logging("info", "json", first)
         configure_logging("info", "json", second)
         logging.getLogger("x").error("once")
-        assert first.getvalue() == ""
+        assert written(first) == ""
         assert len(lines(second)) == 1
 
 
@@ -179,7 +186,7 @@ class TestConsole:
             raise KeyError("k")
         except KeyError:
             structlog.get_logger().exception("writer_failed", channel="adt")
-        text = out.getvalue()
+        text = written(out)
         assert "writer_failed" in text
         assert "channel=adt" in text
         assert "KeyError" in text
@@ -197,3 +204,4 @@ class TestArguments:
         """An unknown format is refused."""
         with pytest.raises(ValueError, match="unknown log format"):
             configure_logging("info", "xml")
+
