@@ -16,6 +16,11 @@ Once the queue is full, new lines are dropped and counted
 when the stream takes lines again one ``log_lines_dropped`` line says how many
 are missing. At exit the queue is written out with a bounded wait.
 
+When stderr is the journal (systemd sets ``JOURNAL_STREAM`` to its
+``device:inode``), each line starts with its syslog priority ``<N>`` (RFC 5424
+severities), which journald strips and stores as the entry's PRIORITY, so
+``journalctl -p err`` finds the errors; the JSON after the prefix is unchanged.
+
 Never log message bodies or patient data; as a last line of defence, values of
 the keys ``body``, ``raw`` and ``payload`` are replaced before rendering.
 """
@@ -29,7 +34,7 @@ import logging
 import os
 import select
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 import structlog
@@ -43,6 +48,7 @@ __all__ = [
     "configure_logging",
     "flush_logs",
     "lines_dropped",
+    "stderr_is_journal",
 ]
 
 LEVELS = ("debug", "info", "warning", "error")
@@ -65,6 +71,17 @@ _BATCH_LINES = 256
 #: The writer re-checks the queue at least this often even without a wake-up
 #: (a safety net; the normal path is the wake-up event).
 _IDLE_WAIT = 1.0
+
+#: Syslog severities (RFC 5424 section 6.2.1) by our level name, as the
+#: ``<N>`` prefix journald reads (SyslogLevelPrefix=yes is its default).
+SYSLOG_PRIORITY: Mapping[str, int] = {
+    "debug": 7,
+    "info": 6,
+    "warning": 4,
+    "error": 3,
+    "critical": 2,
+}
+_DEFAULT_PRIORITY = 6
 
 # The handler this module installed on the root logger, so a reconfigure
 # replaces it instead of stacking duplicates.
@@ -252,6 +269,24 @@ class _SinkHandler(logging.Handler):
             self.handleError(record)
 
 
+def stderr_is_journal(environ: Mapping[str, str] | None = None, fd: int = 2) -> bool:
+    """True when ``fd`` is the journal stream systemd connected (``JOURNAL_STREAM``).
+
+    systemd sets ``JOURNAL_STREAM=<device>:<inode>`` (decimal) for a service
+    whose stdout or stderr goes to the journal; a child whose stderr was
+    redirected elsewhere inherits the variable, hence the fstat comparison.
+    """
+    value = (os.environ if environ is None else environ).get("JOURNAL_STREAM", "")
+    device, sep, inode = value.partition(":")
+    if not sep or not device.isdigit() or not inode.isdigit():
+        return False
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (int(device), int(inode))
+
+
 def _redact_bodies(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
     """Replace message-body keys: HL7 bodies carry patient data (SPEC 4, last bullet)."""
     for key in FORBIDDEN_KEYS.intersection(event_dict):
@@ -279,6 +314,26 @@ def _renderer(fmt: str) -> Processor:
     return structlog.dev.ConsoleRenderer(colors=False)
 
 
+def _with_priority(renderer: Processor) -> Processor:
+    """Prefix the rendered line with ``<N>``, its syslog priority, for journald.
+
+    journald reads the prefix per line, so a multi-line rendering (a console
+    traceback) gets it on every line; a JSON line is one line and its JSON
+    starts right after the prefix.
+    """
+    prefixes = {name: f"<{value}>" for name, value in SYSLOG_PRIORITY.items()}
+    default = f"<{_DEFAULT_PRIORITY}>"
+
+    def render(logger: WrappedLogger, method: str, event_dict: EventDict) -> str:
+        prefix = prefixes.get(str(event_dict.get("level", "")), default)
+        text = str(renderer(logger, method, event_dict))
+        if "\n" in text:
+            text = text.replace("\n", "\n" + prefix)
+        return prefix + text
+
+    return render
+
+
 def _notice_renderer(chain: list[Processor]) -> Callable[[int], str]:
     """The ``log_lines_dropped`` line, rendered by the configured processors."""
 
@@ -299,10 +354,14 @@ def configure_logging(
     level: str = "info",
     fmt: str = "json",
     stream: TextIO | None = None,
+    *,
+    journald: bool | None = None,
 ) -> None:
     """Configure structlog and route stdlib logging into the same sink.
 
-    ``stream`` defaults to fd 2 (stderr). Safe to call again: the previous
+    ``stream`` defaults to fd 2 (stderr). ``journald`` adds the ``<N>``
+    priority prefix; by default it is on exactly when stderr is the journal
+    stream and no other stream was given. Safe to call again: the previous
     configuration and root handler are replaced (lines already queued are
     written first); loggers already cached keep the old processors, so call
     this before logging starts.
@@ -313,11 +372,15 @@ def configure_logging(
         raise ValueError(f"unknown log level {level!r}; use one of {', '.join(LEVELS)}")
     if fmt not in FORMATS:
         raise ValueError(f"unknown log format {fmt!r}; use json or console")
+    if journald is None:
+        journald = stream is None and stderr_is_journal()
     sink = _get_sink()
     sink.flush(EXIT_FLUSH_SECONDS)
     sink.target = _write_fd2 if stream is None else _stream_writer(stream)
     shared = _shared_processors(fmt)
     renderer = _renderer(fmt)
+    if journald:
+        renderer = _with_priority(renderer)
     sink.notice = _notice_renderer([*shared, renderer])
     structlog.configure(
         processors=[*shared, renderer],
