@@ -155,6 +155,8 @@ class _LogSink:
         self._idle = False
         self._busy = False
         self._progress = threading.Condition()
+        self._batches = 0
+        self._gave_up_at = -1
         self._thread = threading.Thread(target=self._run, name="log-writer", daemon=True)
         self._thread.start()
 
@@ -173,7 +175,15 @@ class _LogSink:
         """Wait until every queued line was handed to the target; False on timeout."""
         self._wake.set()
         with self._progress:
-            return self._progress.wait_for(lambda: not self._lines and not self._busy, timeout)
+            drained = self._progress.wait_for(lambda: not self._lines and not self._busy, timeout)
+            if not drained:
+                self._gave_up_at = self._batches
+            return drained
+
+    def stuck(self) -> bool:
+        """True when the last flush timed out and the writer has written nothing since."""
+        with self._progress:
+            return self._gave_up_at == self._batches and bool(self._lines or self._busy)
 
     def _run(self) -> None:
         lines = self._lines
@@ -196,6 +206,7 @@ class _LogSink:
                 self._report_dropped()
             self._busy = False
             with self._progress:
+                self._batches += 1
                 self._progress.notify_all()
 
     def _report_dropped(self) -> None:
@@ -222,7 +233,7 @@ def _get_sink() -> _LogSink:
     with _sink_lock:
         if _sink is None:
             _sink = _LogSink(QUEUE_LINES)
-            atexit.register(flush_logs)
+            atexit.register(_flush_at_exit)
         return _sink
 
 
@@ -234,6 +245,16 @@ def flush_logs(timeout: float = EXIT_FLUSH_SECONDS) -> bool:
     """
     sink = _sink
     return True if sink is None else sink.flush(timeout)
+
+
+def _flush_at_exit() -> None:
+    """The interpreter's last flush; skipped when the CLI's own flush already gave up.
+
+    A stuck reader must cost the exit one EXIT_FLUSH_SECONDS, not two.
+    """
+    sink = _sink
+    if sink is not None and not sink.stuck():
+        sink.flush(EXIT_FLUSH_SECONDS)
 
 
 def lines_dropped() -> int:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import structlog
+from agenttest import wait_for
 
 from agent import logs
 from agent.logs import configure_logging, flush_logs, lines_dropped
@@ -57,7 +58,9 @@ class StuckPipe:
         os.close(self.read_fd)
 
     def entries(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.received.decode().splitlines()]
+        """The complete lines read so far (the reader thread may be mid-chunk)."""
+        text = bytes(self.received).decode()
+        return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 @pytest.fixture
@@ -120,9 +123,14 @@ class TestStuckReader:
         assert dropped > 0
         pipe.drain()
         assert flush_logs(10.0)
-        entries = pipe.entries()
-        committed = [e for e in entries if e["event"] == "message_committed"]
-        notices = [e for e in entries if e["event"] == "log_lines_dropped"]
+
+        def events(name: str) -> list[dict[str, Any]]:
+            return [e for e in pipe.entries() if e["event"] == name]
+
+        wait_for(lambda: sum(n["lines"] for n in events("log_lines_dropped")) >= dropped,
+                 what="the log_lines_dropped line")
+        committed = events("message_committed")
+        notices = events("log_lines_dropped")
         assert len(committed) + dropped == 1000
         assert sum(n["lines"] for n in notices) == dropped
         assert notices[0]["level"] == "warning" and "timestamp" in notices[0]
@@ -130,8 +138,7 @@ class TestStuckReader:
         assert seqs == sorted(seqs), "the lines that got through keep their order"
         # After the gap the stream is healthy again: new lines arrive, no new drops.
         structlog.get_logger("agent.test").info("after_gap")
-        assert flush_logs(10.0)
-        assert pipe.entries()[-1]["event"] == "after_gap"
+        wait_for(lambda: pipe.entries()[-1]["event"] == "after_gap", what="a line after the gap")
         assert lines_dropped() - before == dropped
 
     def test_stdlib_lines_go_through_the_same_queue(self, pipe: StuckPipe) -> None:
@@ -149,5 +156,7 @@ class TestStuckReader:
         began = time.monotonic()
         assert flush_logs(0.3) is False
         assert time.monotonic() - began < 3.0
+        assert logs._get_sink().stuck(), "the exit flush would wait a second time for nothing"
         pipe.drain()
         assert flush_logs(10.0) is True
+        assert not logs._get_sink().stuck()

@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +41,8 @@ pytestmark = pytest.mark.slow
 ACK_BOUND = 5.0
 QUEUE_LINES = 200
 PIPE_BYTES = 4096
+#: agent.logs.EXIT_FLUSH_SECONDS, spelled out so this file also runs against older code.
+EXIT_FLUSH_SECONDS = 2.0
 ENTRY = (f"import agent.logs, sys; agent.logs.QUEUE_LINES = {QUEUE_LINES}; "
          "from agent.cli import main; sys.exit(main())")
 
@@ -66,24 +69,43 @@ def entries(raw: bytes) -> list[dict[str, Any]]:
     return [json.loads(line) for line in raw.decode(errors="replace").splitlines() if line.startswith("{")]
 
 
+def small_pipe() -> tuple[int, int]:
+    """A pipe whose buffer holds PIPE_BYTES: it fills after a dozen log lines."""
+    read_fd, write_fd = os.pipe()
+    fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    return read_fd, write_fd
+
+
+def start_daemon(tmp_path: Path, ports: dict[str, int], admin: int, stderr_fd: int) -> subprocess.Popen[bytes]:
+    """The daemon with its stderr on ``stderr_fd`` (closed here: the child holds the only copy)."""
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(toml_config(
+        tmp_path / "data",
+        [{"name": name, "listen": f"127.0.0.1:{port}"} for name, port in ports.items()],
+        admin_port=admin, extra="[queue]\nmin_free_disk_bytes = 0\n"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HL7_AGENT_", "JOURNAL_STREAM"))}
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-c", ENTRY, "run", "--config", str(cfg)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr_fd, env=env, cwd=tmp_path,
+        )
+    finally:
+        os.close(stderr_fd)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
 class TestStuckLogReader:
     def test_acks_and_healthz_while_nobody_reads_stderr(self, tmp_path: Path) -> None:
         """Pipe full, queue overflowing: two channels still get every ACK in time, /healthz 200; read again, the drop is reported."""
         ports = {"adt": free_port(), "lab": free_port()}
         admin = free_port()
-        cfg = tmp_path / "agent.toml"
-        cfg.write_text(toml_config(
-            tmp_path / "data",
-            [{"name": name, "listen": f"127.0.0.1:{port}"} for name, port in ports.items()],
-            admin_port=admin, extra="[queue]\nmin_free_disk_bytes = 0\n"))
-        read_fd, write_fd = os.pipe()
-        fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("HL7_AGENT_", "JOURNAL_STREAM"))}
-        proc = subprocess.Popen(
-            [sys.executable, "-c", ENTRY, "run", "--config", str(cfg)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=write_fd, env=env, cwd=tmp_path,
-        )
-        os.close(write_fd)
+        read_fd, write_fd = small_pipe()
+        proc = start_daemon(tmp_path, ports, admin, write_fd)
         received = bytearray()
         reader: threading.Thread | None = None
         clients: dict[str, MllpClient] = {}
@@ -152,11 +174,54 @@ class TestStuckLogReader:
         finally:
             for client in clients.values():
                 client.close()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+            stop(proc)
             if reader is None:
                 os.close(read_fd)
             else:
                 reader.join(10)
                 os.close(read_fd)
+
+    def test_sigterm_exits_in_time_while_nobody_reads_stderr(self, tmp_path: Path) -> None:
+        """With the pipe full, SIGTERM still ends the daemon (exit 0) within its budget plus the bounded log flush."""
+        port, admin = free_port(), free_port()
+        read_fd, write_fd = small_pipe()
+        proc = start_daemon(tmp_path, {"adt": port}, admin, write_fd)
+        try:
+            wait_for(lambda: proc.poll() is None and status_of(f"http://127.0.0.1:{admin}/readyz") == 200,
+                     timeout=30, interval=0.1, what="/readyz 200")
+            with MllpClient(port, timeout=ACK_BOUND) as client:
+                i = 0
+                while dropped_total(admin) == 0:
+                    assert ack_code(client.exchange(hl7_message(f"FILL-{i}"))) == "AA"
+                    i += 1
+                    assert i < 3000, "the log queue never overflowed"
+            began = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            # shutdown_budget is 10 s in toml_config; the exit flush waits at most 2 s more.
+            try:
+                code = proc.wait(10 + EXIT_FLUSH_SECONDS + 5)
+            except subprocess.TimeoutExpired as exc:
+                raise AssertionError("SIGTERM did not end a daemon whose stderr is stuck") from exc
+            assert code == 0
+            print(f"\nexit {time.monotonic() - began:.2f}s after SIGTERM with a stuck log reader")
+        finally:
+            stop(proc)
+            os.close(read_fd)
+
+
+class TestStartupError:
+    def test_error_line_comes_last_after_the_log_lines(self, tmp_path: Path) -> None:
+        """A start-up failure's one-line error is printed after the queued log lines, agent_stopped included."""
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            read_fd, write_fd = os.pipe()
+            proc = start_daemon(tmp_path, {"adt": port}, free_port(), write_fd)
+            with os.fdopen(read_fd, "rb") as stderr:
+                output = stderr.read()
+            assert proc.wait(30) == 1
+        text = output.decode(errors="replace").splitlines()
+        assert text[-1].startswith("hl7-agent: channels.adt.listen: cannot listen on"), text[-5:]
+        events = [e["event"] for e in entries(output)]
+        assert events[-1] == "agent_stopped", events
