@@ -8,7 +8,10 @@ provides that are safe to call from any thread.
 
 Routes (GET and HEAD; any other method is 405):
 
-    /healthz      200 "ok": the process is alive (Docker HEALTHCHECK, `hl7-agent health`)
+    /healthz      200 "ok" while the event loop runs: its heartbeat is younger than
+                  LOOP_STALL_LIMIT; else 503 with the age (Docker HEALTHCHECK,
+                  `hl7-agent health`). A loop stuck in a blocking call answers
+                  no sender, so the process is not healthy however alive it is.
     /readyz       200 when the listeners are up and the database takes writes,
                   else 503 with a one-line reason (SPEC 7: the upgrade script waits on it)
     /metrics      Prometheus exposition (agent.metrics)
@@ -21,6 +24,7 @@ the page names channels and control ids, which is operator information.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as _dt
 import errno
 import json
@@ -55,6 +59,15 @@ REQUEST_TIMEOUT = 10.0
 #: wake-up 20 times a second costs nothing measurable and keeps stop() prompt.
 _POLL_INTERVAL = 0.05
 
+#: /healthz answers 503 once the event loop's heartbeat is older than this
+#: (seconds). Ten missed beats: long enough that a busy loop or a slow disk
+#: does not flap, short enough that Docker's HEALTHCHECK (and an orchestrator
+#: watching it) sees a stuck daemon within one or two of its intervals.
+LOOP_STALL_LIMIT = 5.0
+
+#: How often the event loop refreshes its heartbeat (seconds).
+HEARTBEAT_INTERVAL = 0.5
+
 #: Largest request body read (and dropped) before answering 405.
 _MAX_DRAIN = 64 * 1024
 
@@ -71,6 +84,31 @@ _SECURITY_HEADERS = (
 )
 
 
+class LoopHeartbeat:
+    """A timestamp the event loop refreshes and any thread may read.
+
+    The admin endpoint runs on its own threads, so it keeps answering while the
+    loop is stuck (a blocking write, a long synchronous call): only a value the
+    loop itself must keep fresh tells the two apart.
+    """
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def age(self) -> float:
+        """Seconds since the loop last beat (a float read: safe from any thread)."""
+        return max(0.0, time.monotonic() - self._last)
+
+    async def run(self, interval: float = HEARTBEAT_INTERVAL) -> None:
+        """Beat every ``interval`` seconds until cancelled."""
+        while True:
+            self.beat()
+            await asyncio.sleep(interval)
+
+
 @dataclass
 class RuntimeView:
     """What the daemon shows the admin endpoint; every callable is thread-safe."""
@@ -84,6 +122,8 @@ class RuntimeView:
     lease_held: Callable[[], bool]
     stats: Callable[[], dict[str, Any]]
     recent_failures: Callable[[int], list[dict[str, Any]]]
+    #: Seconds since the event loop's last heartbeat; None: no loop to watch.
+    loop_age: Callable[[], float] | None = None
 
 
 def _reason(exc: BaseException) -> str:
@@ -133,6 +173,19 @@ def collect_view_data(view: RuntimeView, now: float | None = None) -> dict[str, 
     return data
 
 
+def liveness(view: RuntimeView, limit: float = LOOP_STALL_LIMIT) -> tuple[bool, str]:
+    """Live = the event loop beat less than ``limit`` seconds ago (one-line reason)."""
+    if view.loop_age is None:
+        return True, "ok"
+    try:
+        age = view.loop_age()
+    except Exception as exc:  # noqa: BLE001 — a failing probe means not live
+        return False, f"unhealthy: loop heartbeat unreadable ({_reason(exc)})"
+    if age >= limit:
+        return False, f"unhealthy: event loop stuck for {age:.1f}s (limit {limit:g}s)"
+    return True, "ok"
+
+
 def readiness(view: RuntimeView) -> tuple[bool, str]:
     """Ready = listeners accepting and the database taking writes (one-line reason)."""
     try:
@@ -166,10 +219,12 @@ class _Server(ThreadingHTTPServer):
         family: socket.AddressFamily,
         view: RuntimeView,
         metrics: AgentMetrics,
+        loop_stall_limit: float,
     ) -> None:
         self.address_family = family
         self.view = view
         self.metrics = metrics
+        self.loop_stall_limit = loop_stall_limit
         super().__init__(address, _Handler)
 
     def server_bind(self) -> None:
@@ -273,7 +328,9 @@ class _Handler(BaseHTTPRequestHandler):
     # -- routes: each returns (status, content type, body) -----------------
 
     def _healthz(self) -> tuple[HTTPStatus, str, bytes]:
-        return HTTPStatus.OK, _TEXT, b"ok\n"
+        live, reason = liveness(self.server.view, self.server.loop_stall_limit)
+        status = HTTPStatus.OK if live else HTTPStatus.SERVICE_UNAVAILABLE
+        return status, _TEXT, (reason + "\n").encode()
 
     def _readyz(self) -> tuple[HTTPStatus, str, bytes]:
         ready, reason = readiness(self.server.view)
@@ -312,10 +369,18 @@ class _Handler(BaseHTTPRequestHandler):
 class AdminServer:
     """The admin endpoint on its own threads; the daemon starts and stops it."""
 
-    def __init__(self, listen: str, view: RuntimeView, metrics: AgentMetrics) -> None:
+    def __init__(
+        self,
+        listen: str,
+        view: RuntimeView,
+        metrics: AgentMetrics,
+        *,
+        loop_stall_limit: float = LOOP_STALL_LIMIT,
+    ) -> None:
         self._listen = listen
         self._view = view
         self._metrics = metrics
+        self._loop_stall_limit = loop_stall_limit
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         metrics.set_info(agent_id=view.agent_id, version=view.version)
@@ -331,7 +396,7 @@ class AdminServer:
             raise ConfigError(f"config error: admin.listen: {exc}") from exc
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            server = _Server((host, port), family, self._view, self._metrics)
+            server = _Server((host, port), family, self._view, self._metrics, self._loop_stall_limit)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise AdminListenInUse(

@@ -139,19 +139,24 @@ def _settings(args: argparse.Namespace) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.logs import configure_logging
+    from agent.logs import configure_logging, flush_logs
     from agent.service import run_agent
 
     settings = _settings(args)
     level = "debug" if args.debug else settings.logging.level
     configure_logging(level, settings.logging.format)
-    if not settings.channels:
-        import structlog
+    try:
+        if not settings.channels:
+            import structlog
 
-        structlog.get_logger("agent").warning(
-            "no_channels_configured", hint="add [[channels]] tables or HL7_AGENT_CHANNELS"
-        )
-    return asyncio.run(run_agent(settings))
+            structlog.get_logger("agent").warning(
+                "no_channels_configured", hint="add [[channels]] tables or HL7_AGENT_CHANNELS"
+            )
+        return asyncio.run(run_agent(settings))
+    finally:
+        # Log lines are written by a thread: let them out (bounded) before
+        # main() prints the error line, so the reader sees them in order.
+        flush_logs()
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -188,11 +193,14 @@ def cmd_send(args: argparse.Namespace) -> int:
 
 def cmd_dev_server(args: argparse.Namespace) -> int:
     from agent.devserver import read_dev_token, run_dev_server
-    from agent.logs import configure_logging
+    from agent.logs import configure_logging, flush_logs
 
     configure_logging("debug" if args.debug else "info", "console" if sys.stderr.isatty() else "json")
-    token = read_dev_token(args.token_file)
-    return run_dev_server(args.host, args.port, token, not args.no_replay, args.store)
+    try:
+        token = read_dev_token(args.token_file)
+        return run_dev_server(args.host, args.port, token, not args.no_replay, args.store)
+    finally:
+        flush_logs()
 
 
 def cmd_queue(args: argparse.Namespace) -> int:

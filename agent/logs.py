@@ -4,8 +4,22 @@ The production setup follows structlog's recommendations: context bound with
 contextvars (ids per connection and per message), a filtering bound logger
 (a disabled level costs one method call), loggers cached on first use. The
 stdlib ``logging`` (websockets logs through it) is rendered by the same
-processors into the same stream, at warning and above only: websockets' debug
+processors into the same sink, at warning and above only: websockets' debug
 output includes frame contents, i.e. message bodies.
+
+Logging never blocks the caller. A rendered line goes into a bounded queue;
+one writer thread writes the queue to stderr. When the reader of stderr stops
+reading (a stuck journald stream, a Docker log driver that stalls) the pipe
+fills and only that thread waits: the event loop keeps answering senders.
+Once the queue is full, new lines are dropped and counted
+(``lines_dropped()``, exported as ``hl7_agent_log_lines_dropped_total``), and
+when the stream takes lines again one ``log_lines_dropped`` line says how many
+are missing. At exit the queue is written out with a bounded wait.
+
+When stderr is the journal (systemd sets ``JOURNAL_STREAM`` to its
+``device:inode``), each line starts with its syslog priority ``<N>`` (RFC 5424
+severities), which journald strips and stores as the entry's PRIORITY, so
+``journalctl -p err`` finds the errors; the JSON after the prefix is unchanged.
 
 Never log message bodies or patient data; as a last line of defence, values of
 the keys ``body``, ``raw`` and ``payload`` are replaced before rendering.
@@ -13,46 +27,65 @@ the keys ``body``, ``raw`` and ``payload`` are replaced before rendering.
 
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
 import logging
 import os
-import sys
+import select
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
-__all__ = ["FORBIDDEN_KEYS", "bind", "configure_logging"]
+__all__ = [
+    "EXIT_FLUSH_SECONDS",
+    "FORBIDDEN_KEYS",
+    "QUEUE_LINES",
+    "bind",
+    "configure_logging",
+    "flush_logs",
+    "lines_dropped",
+    "stderr_is_journal",
+]
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("json", "console")
 FORBIDDEN_KEYS = frozenset({"body", "raw", "payload"})
 
+#: Lines the queue holds while stderr does not take them (a few MB at most);
+#: beyond that, lines are dropped and counted.
+QUEUE_LINES = 8192
+
+#: How long the process waits at exit for queued lines to reach stderr. A
+#: reader that is gone or stuck must not hold up an exit (systemd would kill
+#: us at TimeoutStopSec), but ``agent_stopped`` and start-up errors should
+#: reach a reader that is merely slow.
+EXIT_FLUSH_SECONDS = 2.0
+
+#: Most lines the writer takes per write(2): one system call for a burst.
+_BATCH_LINES = 256
+
+#: The writer re-checks the queue at least this often even without a wake-up
+#: (a safety net; the normal path is the wake-up event).
+_IDLE_WAIT = 1.0
+
+#: Syslog severities (RFC 5424 section 6.2.1) by our level name, as the
+#: ``<N>`` prefix journald reads (SyslogLevelPrefix=yes is its default).
+SYSLOG_PRIORITY: Mapping[str, int] = {
+    "debug": 7,
+    "info": 6,
+    "warning": 4,
+    "error": 3,
+    "critical": 2,
+}
+_DEFAULT_PRIORITY = 6
+
 # The handler this module installed on the root logger, so a reconfigure
 # replaces it instead of stacking duplicates.
 _stdlib_handler: logging.Handler | None = None
-
-
-class _CurrentStderr:
-    """Writes to whatever ``sys.stderr`` is at write time.
-
-    Cached loggers keep their file object; binding the *current* stderr lazily
-    means a logger cached before the stream was swapped (pytest capture, a
-    daemon redirect) never writes to a closed file.
-    """
-
-    def write(self, text: str) -> int:
-        try:
-            return sys.stderr.write(text)
-        except (OSError, ValueError):
-            _abandon_stderr()
-            return len(text)
-
-    def flush(self) -> None:
-        try:
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            _abandon_stderr()
 
 
 def _abandon_stderr() -> None:
@@ -68,6 +101,211 @@ def _abandon_stderr() -> None:
         os.close(devnull)
     except OSError:
         pass
+
+
+def _write_fd2(text: str) -> None:
+    """Write all of ``text`` to fd 2, waiting as long as the reader needs.
+
+    Only the writer thread calls this, so waiting here never stalls the event
+    loop. fd 2 is written with os.write, not through ``sys.stderr``: a thread
+    blocked inside a buffered stream holds its lock, and the interpreter's
+    final flush of that stream would then abort the process at exit.
+    """
+    data = memoryview(text.encode("utf-8", "backslashreplace"))
+    while data:
+        try:
+            written = os.write(2, data)
+        except BlockingIOError:
+            # Someone set O_NONBLOCK on the shared open file description: wait
+            # for room instead of spinning or dropping.
+            with contextlib.suppress(OSError, ValueError):
+                select.select([], [2], [], _IDLE_WAIT)
+            continue
+        except OSError:
+            _abandon_stderr()
+            return
+        data = data[written:]
+
+
+def _stream_writer(stream: TextIO) -> Callable[[str], None]:
+    def write(text: str) -> None:
+        stream.write(text)
+        stream.flush()
+
+    return write
+
+
+class _LogSink:
+    """A bounded queue of rendered lines and the one thread that writes them out.
+
+    ``put`` is the hot path (every log call): a length check, an append, and a
+    wake-up only when the writer sleeps. Appends and pops of a deque are
+    atomic, so producers on any thread take no lock unless they drop.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.target: Callable[[str], None] = _write_fd2
+        self.notice: Callable[[int], str] | None = None
+        self.dropped_total = 0
+        self._lines: collections.deque[str] = collections.deque()
+        self._unreported = 0
+        self._drop_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._idle = False
+        self._busy = False
+        self._progress = threading.Condition()
+        self._batches = 0
+        self._gave_up_at = -1
+        self._thread = threading.Thread(target=self._run, name="log-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, line: str) -> None:
+        lines = self._lines
+        if len(lines) >= self.capacity:
+            with self._drop_lock:
+                self._unreported += 1
+                self.dropped_total += 1
+            return
+        lines.append(line)
+        if self._idle:
+            self._wake.set()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued line was handed to the target; False on timeout."""
+        self._wake.set()
+        with self._progress:
+            drained = self._progress.wait_for(lambda: not self._lines and not self._busy, timeout)
+            if not drained:
+                self._gave_up_at = self._batches
+            return drained
+
+    def stuck(self) -> bool:
+        """True when the last flush timed out and the writer has written nothing since."""
+        with self._progress:
+            return self._gave_up_at == self._batches and bool(self._lines or self._busy)
+
+    def _run(self) -> None:
+        lines = self._lines
+        while True:
+            if not lines:
+                # Clear, announce idle, re-check: a producer that appends after
+                # the re-check sees _idle and sets the event, so no wake-up is lost.
+                self._wake.clear()
+                self._idle = True
+                if not lines:
+                    with self._progress:
+                        self._progress.notify_all()
+                    self._wake.wait(_IDLE_WAIT)
+                self._idle = False
+                continue
+            self._busy = True
+            batch = [lines.popleft() for _ in range(min(len(lines), _BATCH_LINES))]
+            self._emit("\n".join(batch) + "\n")
+            if self._unreported and len(lines) < self.capacity // 2:
+                self._report_dropped()
+            self._busy = False
+            with self._progress:
+                self._batches += 1
+                self._progress.notify_all()
+
+    def _report_dropped(self) -> None:
+        """The stream takes lines again: say how many it missed, in one line."""
+        with self._drop_lock:
+            count, self._unreported = self._unreported, 0
+        notice = self.notice
+        if notice is not None:
+            self._emit(notice(count) + "\n")
+
+    def _emit(self, text: str) -> None:
+        # A broken stream must not end the writer thread (there is nowhere
+        # left to report it: this is the log).
+        with contextlib.suppress(Exception):
+            self.target(text)
+
+
+_sink: _LogSink | None = None
+_sink_lock = threading.Lock()
+
+
+def _get_sink() -> _LogSink:
+    global _sink
+    with _sink_lock:
+        if _sink is None:
+            _sink = _LogSink(QUEUE_LINES)
+            atexit.register(_flush_at_exit)
+        return _sink
+
+
+def flush_logs(timeout: float = EXIT_FLUSH_SECONDS) -> bool:
+    """Wait (bounded) until queued lines are written; True when the queue is empty.
+
+    The CLI calls this before it prints a final error line, so that line comes
+    after the log lines that led to it; it also runs at interpreter exit.
+    """
+    sink = _sink
+    return True if sink is None else sink.flush(timeout)
+
+
+def _flush_at_exit() -> None:
+    """The interpreter's last flush; skipped when the CLI's own flush already gave up.
+
+    A stuck reader must cost the exit one EXIT_FLUSH_SECONDS, not two.
+    """
+    sink = _sink
+    if sink is not None and not sink.stuck():
+        sink.flush(EXIT_FLUSH_SECONDS)
+
+
+def lines_dropped() -> int:
+    """Log lines dropped since start because stderr did not take them (a counter)."""
+    sink = _sink
+    return 0 if sink is None else sink.dropped_total
+
+
+class _SinkLogger:
+    """structlog's wrapped logger: every method hands the rendered line to the sink."""
+
+    def __init__(self, sink: _LogSink) -> None:
+        self._put = sink.put
+
+    def msg(self, message: str) -> None:
+        self._put(message)
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
+
+
+class _SinkHandler(logging.Handler):
+    """The stdlib root handler: formats on the caller's thread, writes through the sink."""
+
+    def __init__(self, sink: _LogSink) -> None:
+        super().__init__()
+        self._sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._sink.put(self.format(record))
+        except Exception:  # noqa: BLE001 — logging's own contract: report, never raise
+            self.handleError(record)
+
+
+def stderr_is_journal(environ: Mapping[str, str] | None = None, fd: int = 2) -> bool:
+    """True when ``fd`` is the journal stream systemd connected (``JOURNAL_STREAM``).
+
+    systemd sets ``JOURNAL_STREAM=<device>:<inode>`` (decimal) for a service
+    whose stdout or stderr goes to the journal; a child whose stderr was
+    redirected elsewhere inherits the variable, hence the fstat comparison.
+    """
+    value = (os.environ if environ is None else environ).get("JOURNAL_STREAM", "")
+    device, sep, inode = value.partition(":")
+    if not sep or not device.isdigit() or not inode.isdigit():
+        return False
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (int(device), int(inode))
 
 
 def _redact_bodies(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
@@ -97,12 +335,57 @@ def _renderer(fmt: str) -> Processor:
     return structlog.dev.ConsoleRenderer(colors=False)
 
 
-def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | None = None) -> None:
-    """Configure structlog and route stdlib logging into the same output.
+def _with_priority(renderer: Processor) -> Processor:
+    """Prefix the rendered line with ``<N>``, its syslog priority, for journald.
 
-    ``stream`` defaults to stderr (looked up at write time). Safe to call again:
-    the previous configuration and root handler are replaced; loggers already
-    cached keep the old processors, so call this before logging starts.
+    journald reads the prefix per line, so a multi-line rendering (a console
+    traceback) gets it on every line; a JSON line is one line and its JSON
+    starts right after the prefix.
+    """
+    prefixes = {name: f"<{value}>" for name, value in SYSLOG_PRIORITY.items()}
+    default = f"<{_DEFAULT_PRIORITY}>"
+
+    def render(logger: WrappedLogger, method: str, event_dict: EventDict) -> str:
+        prefix = prefixes.get(str(event_dict.get("level", "")), default)
+        text = str(renderer(logger, method, event_dict))
+        if "\n" in text:
+            text = text.replace("\n", "\n" + prefix)
+        return prefix + text
+
+    return render
+
+
+def _notice_renderer(chain: list[Processor]) -> Callable[[int], str]:
+    """The ``log_lines_dropped`` line, rendered by the configured processors."""
+
+    def notice(count: int) -> str:
+        event: Any = {
+            "event": "log_lines_dropped",
+            "lines": count,
+            "hint": "stderr did not take log lines fast enough; they were dropped",
+        }
+        for processor in chain:
+            event = processor(None, "warning", event)
+        return str(event)
+
+    return notice
+
+
+def configure_logging(
+    level: str = "info",
+    fmt: str = "json",
+    stream: TextIO | None = None,
+    *,
+    journald: bool | None = None,
+) -> None:
+    """Configure structlog and route stdlib logging into the same sink.
+
+    ``stream`` defaults to fd 2 (stderr). ``journald`` adds the ``<N>``
+    priority prefix; by default it is on exactly when stderr is the journal
+    stream and no other stream was given. Safe to call again: the previous
+    configuration and root handler are replaced (lines already queued are
+    written first); loggers already cached keep the old processors, so call
+    this before logging starts.
     """
     global _stdlib_handler
     level = level.lower()
@@ -110,13 +393,20 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
         raise ValueError(f"unknown log level {level!r}; use one of {', '.join(LEVELS)}")
     if fmt not in FORMATS:
         raise ValueError(f"unknown log format {fmt!r}; use json or console")
-    out: Any = stream if stream is not None else _CurrentStderr()
+    if journald is None:
+        journald = stream is None and stderr_is_journal()
+    sink = _get_sink()
+    sink.flush(EXIT_FLUSH_SECONDS)
+    sink.target = _write_fd2 if stream is None else _stream_writer(stream)
     shared = _shared_processors(fmt)
     renderer = _renderer(fmt)
+    if journald:
+        renderer = _with_priority(renderer)
+    sink.notice = _notice_renderer([*shared, renderer])
     structlog.configure(
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.WriteLoggerFactory(file=out),
+        logger_factory=lambda *_args: _SinkLogger(sink),
         context_class=dict,
         cache_logger_on_first_use=True,
     )
@@ -126,7 +416,7 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
         foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
     )
-    handler = logging.StreamHandler(out)
+    handler = _SinkHandler(sink)
     handler.setFormatter(formatter)
     handler.setLevel(logging.WARNING)
     root = logging.getLogger()

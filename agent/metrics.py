@@ -22,9 +22,9 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder, generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from agent import __version__
+from agent import __version__, logs
 
 log = structlog.get_logger(__name__)
 
@@ -91,6 +91,26 @@ class _QueueStatsCollector:
         up.add_metric([], 1)
         yield up
         yield from collected
+
+
+class _LogSinkCollector:
+    """``hl7_agent_log_lines_dropped_total``, read from the log sink at scrape time.
+
+    The sink belongs to the process (one stderr), so the value is the
+    process's; agent.logs stays free of prometheus-client, and a dropped line
+    costs no metric call on the path that drops it.
+    """
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "hl7_agent_log_lines_dropped",
+            "Log lines dropped because stderr did not take them (a stuck journald stream or "
+            "log driver); logging never blocks intake.",
+            value=logs.lines_dropped(),
+        )
 
 
 def _num(value: Any) -> float:
@@ -200,6 +220,7 @@ class AgentMetrics:
         self._info_lock = threading.Lock()
         self._stats = _QueueStatsCollector()
         r.register(self._stats)
+        r.register(_LogSinkCollector())
         self.set_info(agent_id="", version=__version__)
 
     # -- identity ---------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from agent import __version__, adoption, db, sockets
-from agent.admin import AdminServer, RuntimeView
+from agent.admin import AdminServer, LoopHeartbeat, RuntimeView
 from agent.aio import cancel_and_wait, unless
 from agent.config import Settings
 from agent.errors import AdminListenInUse, LocalError, StorageError
@@ -85,6 +85,8 @@ class Agent:
         self.handover: sockets.HandoverServer | None = None
         self.adoption: adoption.AdoptionServer | None = None
         self.admin: AdminServer | None = None
+        # The loop refreshes it; /healthz (another thread) fails when it goes stale.
+        self.heartbeat = LoopHeartbeat()
         self.dispatcher: Dispatcher | None = None
         self.tasks: list[asyncio.Task[None]] = []
         self._signals = 0
@@ -169,6 +171,7 @@ class Agent:
             lease_held=lambda: bool(self.dispatcher is not None and self.dispatcher.lease_held),
             stats=lambda: reader.call(lambda s: s.stats(names)),
             recent_failures=recent_failures,
+            loop_age=self.heartbeat.age,
         )
 
     def _db_writable(self) -> tuple[bool, str]:
@@ -216,6 +219,7 @@ class Agent:
             self.handover = None
         await self._start_adoption(ctx)
         self.metrics.bind_stats(self._view().stats)
+        self.tasks.append(asyncio.create_task(self._supervise(self.heartbeat.run(), "heartbeat")))
         if s.admin.listen:
             admin = AdminServer(s.admin.listen, self._view(), self.metrics)
             try:

@@ -1,12 +1,14 @@
-"""Logging setup: JSON lines on stderr, stdlib routed in, context bound, bodies never logged."""
+"""Logging setup: JSON lines on stderr, stdlib routed in, context bound, bodies never logged, journald priorities."""
 
 from __future__ import annotations
 
 import io
 import json
 import logging
+import os
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ import structlog
 from structlog.testing import capture_logs
 
 from agent import logs
-from agent.logs import bind, configure_logging
+from agent.logs import bind, configure_logging, stderr_is_journal
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +33,14 @@ def restore_logging() -> Iterator[None]:
     root.setLevel(level)
 
 
+def written(stream: io.StringIO) -> str:
+    """What reached the stream once the sink's writer thread has caught up."""
+    assert logs.flush_logs(5.0), "log sink did not drain"
+    return stream.getvalue()
+
+
 def lines(stream: io.StringIO) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in stream.getvalue().splitlines()]
+    return [json.loads(line) for line in written(stream).splitlines()]
 
 
 class TestJson:
@@ -79,11 +87,12 @@ class TestJson:
         assert entry["level"] == "error"
         assert "ZeroDivisionError: boom" in entry["exception"]
 
-    def test_default_stream_is_stderr(self, capsys: pytest.CaptureFixture[str]) -> None:
-        """Without a stream, logs go to stderr, never stdout (stdout is for command output)."""
+    def test_default_stream_is_stderr(self, capfd: pytest.CaptureFixture[str]) -> None:
+        """Without a stream, logs go to fd 2, never stdout (stdout is for command output)."""
         configure_logging()
         structlog.get_logger().info("agent_started")
-        captured = capsys.readouterr()
+        assert logs.flush_logs(5.0)
+        captured = capfd.readouterr()
         assert captured.out == ""
         assert json.loads(captured.err)["event"] == "agent_started"
 
@@ -125,7 +134,7 @@ class TestBodiesNeverLogged:
         out = io.StringIO()
         configure_logging("info", "json", out)
         structlog.get_logger().info("oops", **{key: "PID|1||12345^^^HOSP||DOE^JOHN"})
-        text = out.getvalue()
+        text = written(out)
         assert "DOE^JOHN" not in text
         assert lines(out)[0][key] == "<redacted>"
 
@@ -148,7 +157,7 @@ class TestStdlib:
         configure_logging("debug", "json", out)
         logging.getLogger("websockets.client").info("frame body")
         logging.getLogger("websockets.client").debug("frame body")
-        assert out.getvalue() == ""
+        assert written(out) == ""
 
     def test_stdlib_exceptions_are_formatted(self) -> None:
         """A stdlib logger.exception() carries its traceback."""
@@ -166,7 +175,7 @@ class TestStdlib:
         configure_logging("info", "json", first)
         configure_logging("info", "json", second)
         logging.getLogger("x").error("once")
-        assert first.getvalue() == ""
+        assert written(first) == ""
         assert len(lines(second)) == 1
 
 
@@ -179,7 +188,7 @@ class TestConsole:
             raise KeyError("k")
         except KeyError:
             structlog.get_logger().exception("writer_failed", channel="adt")
-        text = out.getvalue()
+        text = written(out)
         assert "writer_failed" in text
         assert "channel=adt" in text
         assert "KeyError" in text
@@ -197,3 +206,125 @@ class TestArguments:
         """An unknown format is refused."""
         with pytest.raises(ValueError, match="unknown log format"):
             configure_logging("info", "xml")
+
+
+def journal_stream_of(fd: int) -> str:
+    """The JOURNAL_STREAM value systemd would set for ``fd``: device:inode in decimal."""
+    st = os.fstat(fd)
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+class TestJournalDetection:
+    def test_matching_stream_is_the_journal(self, tmp_path: Path) -> None:
+        """JOURNAL_STREAM naming the fd's own device and inode means the fd is the journal."""
+        with (tmp_path / "stream").open("w") as f:
+            assert stderr_is_journal({"JOURNAL_STREAM": journal_stream_of(f.fileno())}, f.fileno())
+
+    def test_other_stream_is_not(self, tmp_path: Path) -> None:
+        """An inherited JOURNAL_STREAM naming another file (stderr redirected) is not the journal."""
+        with (tmp_path / "a").open("w") as a, (tmp_path / "b").open("w") as b:
+            assert not stderr_is_journal({"JOURNAL_STREAM": journal_stream_of(a.fileno())}, b.fileno())
+
+    @pytest.mark.parametrize("value", ["", "12", "12:", ":34", "a:b", "1:2:3", " 1:2", "-1:2"])
+    def test_missing_or_malformed_value(self, tmp_path: Path, value: str) -> None:
+        """No variable, or one that is not two decimal numbers, means no journal."""
+        with (tmp_path / "stream").open("w") as f:
+            assert not stderr_is_journal({"JOURNAL_STREAM": value}, f.fileno())
+            assert not stderr_is_journal({}, f.fileno())
+
+    def test_closed_fd(self, tmp_path: Path) -> None:
+        """A closed stderr is not the journal (and the check does not raise)."""
+        with (tmp_path / "stream").open("w") as f:
+            fd = f.fileno()
+            value = journal_stream_of(fd)
+        assert not stderr_is_journal({"JOURNAL_STREAM": value}, fd)
+
+    def test_default_output_gets_the_prefix_when_fd2_is_the_journal(
+        self, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """configure_logging() with no stream detects the journal on fd 2 and prefixes its lines."""
+        monkeypatch.setenv("JOURNAL_STREAM", journal_stream_of(2))
+        configure_logging()
+        structlog.get_logger().error("writer_failed")
+        assert logs.flush_logs(5.0)
+        line = capfd.readouterr().err.strip()
+        assert line.startswith("<3>{")
+        assert json.loads(line[3:])["event"] == "writer_failed"
+
+    def test_default_output_has_no_prefix_when_fd2_is_not_the_journal(
+        self, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """JOURNAL_STREAM naming another stream (here fd 1) leaves stderr's lines plain JSON."""
+        monkeypatch.setenv("JOURNAL_STREAM", journal_stream_of(1))
+        configure_logging()
+        structlog.get_logger().error("writer_failed")
+        assert logs.flush_logs(5.0)
+        assert json.loads(capfd.readouterr().err)["event"] == "writer_failed"
+
+    def test_an_explicit_stream_is_never_prefixed_by_detection(
+        self, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Detection is about fd 2: a caller's own stream gets no prefix even under systemd."""
+        monkeypatch.setenv("JOURNAL_STREAM", journal_stream_of(2))
+        out = io.StringIO()
+        configure_logging("info", "json", out)
+        structlog.get_logger().error("writer_failed")
+        assert lines(out)[0]["event"] == "writer_failed"
+
+
+class TestJournalRendering:
+    @pytest.mark.parametrize(
+        ("method", "prefix"),
+        [("debug", "<7>"), ("info", "<6>"), ("warning", "<4>"), ("error", "<3>"),
+         ("critical", "<2>"), ("exception", "<3>")],
+    )
+    def test_prefix_is_the_syslog_priority(self, method: str, prefix: str) -> None:
+        """Each level gets its RFC 5424 severity as <N>, and the rest of the line is the same JSON."""
+        out = io.StringIO()
+        configure_logging("debug", "json", out, journald=True)
+        getattr(structlog.get_logger(), method)("some_event", channel="adt")
+        line = written(out).strip()
+        assert line.startswith(prefix + "{")
+        entry = json.loads(line.removeprefix(prefix))
+        assert (entry["event"], entry["channel"]) == ("some_event", "adt")
+
+    def test_stdlib_lines_get_their_priority(self) -> None:
+        """websockets' warnings and errors, routed through the same sink, carry <4> and <3>."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, journald=True)
+        logging.getLogger("websockets.client").warning("w")
+        logging.getLogger("websockets.client").error("e")
+        first, second = written(out).splitlines()
+        assert first.startswith("<4>{") and json.loads(first[3:])["event"] == "w"
+        assert second.startswith("<3>{") and json.loads(second[3:])["event"] == "e"
+
+    def test_exception_stays_one_prefixed_json_line(self) -> None:
+        """A traceback inside JSON is escaped: one line, one prefix, valid JSON."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, journald=True)
+        try:
+            raise ZeroDivisionError("boom")
+        except ZeroDivisionError:
+            structlog.get_logger().exception("writer_failed")
+        (line,) = written(out).splitlines()
+        assert "ZeroDivisionError: boom" in json.loads(line.removeprefix("<3>"))["exception"]
+
+    def test_console_traceback_lines_each_carry_the_prefix(self) -> None:
+        """journald reads a prefix per line: every line of a console traceback is an error."""
+        out = io.StringIO()
+        configure_logging("info", "console", out, journald=True)
+        try:
+            raise KeyError("k")
+        except KeyError:
+            structlog.get_logger().exception("writer_failed")
+        text_lines = written(out).splitlines()
+        assert len(text_lines) > 3
+        assert all(line.startswith("<3>") for line in text_lines)
+        assert "writer_failed" in text_lines[0]
+
+    def test_no_prefix_when_off(self) -> None:
+        """journald=False: the line is plain JSON from its first byte."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, journald=False)
+        structlog.get_logger().error("writer_failed")
+        assert written(out).startswith("{")
