@@ -202,6 +202,7 @@ class QueueStore(Protocol):
     def set_ack_outcome(self, message_id: str, outcome: str) -> bool: ...
     # lease
     def lease(self) -> Lease | None: ...
+    def queue_id(self) -> str | None: ...
     def try_acquire_lease(self, me: LeaseHolder, ttl: float) -> int | None: ...
     def renew_lease(self, holder: str, epoch: int, ttl: float) -> None: ...
     def release_lease(self, holder: str, epoch: int) -> bool: ...
@@ -500,6 +501,11 @@ class SqliteStore:
             seen_epoch=epoch,
         )
         return int(taken[0]) if taken else None
+
+    def queue_id(self) -> str | None:
+        """The UUID this queue got when it was created (or first opened by this version)."""
+        row = self._one("queue_id")
+        return str(row[0]) if row is not None else None
 
     def renew_lease(self, holder: str, epoch: int, ttl: float) -> None:
         now = self.clock()
