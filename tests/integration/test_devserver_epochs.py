@@ -24,7 +24,14 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from agent.devserver import DevServer
-from agent.protocol import ErrorMessage, Hello, Transmit, TransmitResponse, Welcome, parse_server_frame
+from agent.protocol import (
+    ErrorMessage,
+    Hello,
+    Transmit,
+    TransmitResponse,
+    Welcome,
+    parse_server_frame,
+)
 
 TOKEN = "dev-token"
 QUEUE_A = "0e8f5a1c-5f43-4c1e-9d6b-1a2b3c4d5e6f"
