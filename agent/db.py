@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
+import uuid
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -163,6 +164,14 @@ def migrate(conn: sqlite3.Connection, agent_id: str, now: float) -> int:
         if owner is None:
             conn.execute("INSERT INTO meta (key, value) VALUES ('agent_id', ?)", (agent_id,))
             conn.execute("INSERT INTO meta (key, value) VALUES ('created_at', ?)", (repr(now),))
+        if "queue_id" not in meta:
+            # The queue's identity for the server's lease-epoch fence: made once,
+            # never changed. A new meta key only, so an older agent keeps working
+            # on the file; a file made by one gets its id on first open by us.
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES ('queue_id', ?) ON CONFLICT (key) DO NOTHING",
+                (str(uuid.uuid4()),),
+            )
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")

@@ -10,11 +10,23 @@ welcome, and for each transmit either the remembered 2xx answer (when
 ``replay``; re-stamped with the current attempt), the answer a ``decide``
 callback scripts (status, ack, delay, or ``None`` = never answer), or by
 default 200 with an AA built from the message's own MSH.
+
+Lease epochs (``track_epochs``, on by default): the highest epoch seen is
+kept per (agent_id, queue_id), in memory. A hello below it is refused (an
+``error`` frame, then close code 4001); a hello at or above it closes, with
+4001, every other session of the same agent_id and queue_id, and every
+session of that agent_id that sent no epoch (an older agent version, which
+cannot be fenced otherwise). From the moment a session is superseded its
+frames are dropped unrecorded, even those already on the wire: the close
+handshake takes a round trip a frozen agent may never make. A hello without
+``epoch`` is accepted and not tracked, so the previous agent version keeps
+working against this server during an upgrade overlap.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import os
@@ -24,6 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
 from http import HTTPStatus
 from pathlib import Path
+from typing import Literal
 
 import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -48,6 +61,8 @@ log = structlog.get_logger(__name__)
 #: Accept frames up to 64 MiB: comfortably above 6 x any sane max_message_bytes.
 DEFAULT_MAX_SIZE = 64 * 1024 * 1024
 TOKEN_ENV = "HL7_AGENT_DEV_TOKEN"  # noqa: S105 - the name of a variable, not a secret
+#: Protocol v1 close code for a stale lease epoch (RFC 6455 section 7.4.2: private use).
+EPOCH_REFUSED = 4001
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +75,33 @@ class Answer:
 
 
 Decide = Callable[[Transmit], Awaitable[Answer | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One frame as the server took it, in arrival order: what tests check fencing against.
+
+    ``kind``: ``hello`` (welcomed), ``refused_hello`` (epoch below the
+    highest: 4001), ``transmit`` (recorded and answered), ``stale_frame``
+    (from a superseded session: dropped, never recorded or answered).
+    """
+
+    kind: Literal["hello", "refused_hello", "transmit", "stale_frame"]
+    session: int
+    agent_id: str
+    epoch: int | None
+    transmit: Transmit | None = None
+
+
+@dataclass(slots=True)
+class _Peer:
+    """One session past hello, as far as epoch fencing is concerned."""
+
+    session: int
+    agent_id: str
+    queue_id: str | None
+    epoch: int | None
+    superseded: bool = False
 
 
 def default_answer(t: Transmit) -> Answer:
@@ -93,6 +135,7 @@ class DevServer:
         max_size: int = DEFAULT_MAX_SIZE,
         hello_timeout: float = 10.0,
         ssl_context: ssl.SSLContext | None = None,
+        track_epochs: bool = True,
     ) -> None:
         self.token = token
         self.replay = replay
@@ -101,12 +144,16 @@ class DevServer:
         self.max_size = max_size
         self.hello_timeout = hello_timeout
         self.ssl_context = ssl_context  # wss:// for TLS tests; the CLI serves plain ws://
+        self.track_epochs = track_epochs
         self.received: list[Transmit] = []  # every transmit, arrival order, resends too
+        self.timeline: list[Arrival] = []  # hellos and transmits, kept or dropped, in arrival order
+        self.highest_epochs: dict[tuple[str, str | None], int] = {}  # per (agent_id, queue_id)
         self.answered: dict[str, TransmitResponse] = {}  # 2xx answers by id (replay)
         self.sent: list[TransmitResponse] = []  # every transmit_response written, in order
         self.connections = 0  # WebSocket connections accepted (past the token check)
         self.max_concurrent_sessions_seen = 0
         self._active: set[ServerConnection] = set()
+        self._peers: dict[ServerConnection, _Peer] = {}
         self._server: Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._changed = asyncio.Event()
@@ -181,6 +228,7 @@ class DevServer:
 
     async def _handle(self, ws: ServerConnection) -> None:
         self.connections += 1
+        number = self.connections
         self._active.add(ws)
         self.max_concurrent_sessions_seen = max(
             self.max_concurrent_sessions_seen, len(self._active)
@@ -191,12 +239,27 @@ class DevServer:
             hello = await self._expect_hello(ws, peer)
             if hello is None:
                 return
+            me = _Peer(number, hello.agent_id, hello.queue_id, hello.epoch)
+            refusal = self._admit(ws, me)
+            if refusal is not None:
+                await ws.send(ErrorMessage(refusal).to_json())
+                await ws.close(EPOCH_REFUSED, "stale lease epoch")
+                return
             await ws.send(Welcome(self.replay).to_json())
             log.info(
-                "dev_server_session", peer=peer, agent_id=hello.agent_id, version=hello.version
+                "dev_server_session",
+                peer=peer,
+                agent_id=hello.agent_id,
+                version=hello.version,
+                epoch=hello.epoch,
+                queue_id=hello.queue_id,
+                session=number,
             )
             self._pulse()
             async for frame in ws:
+                if me.superseded:
+                    self._drop_stale(me, frame)
+                    continue
                 try:
                     message = parse_client_frame(frame)
                 except ProtocolError as exc:
@@ -204,6 +267,8 @@ class DevServer:
                     await ws.send(ErrorMessage(str(exc)).to_json())
                     continue
                 if isinstance(message, Transmit):
+                    # Recorded here, in arrival order, before any other frame is read.
+                    self._record(me, message)
                     task = asyncio.create_task(self._on_transmit(ws, message))
                     mine.add(task)
                     self._tasks.add(task)
@@ -217,9 +282,89 @@ class DevServer:
             pass
         finally:
             self._active.discard(ws)
+            self._peers.pop(ws, None)
             for task in mine:
                 task.cancel()
             self._pulse()
+
+    # -- lease epochs ----------------------------------------------------------------
+
+    def _admit(self, ws: ServerConnection, me: _Peer) -> str | None:
+        """Apply the epoch rules to a hello; the refusal text, or None when welcomed.
+
+        Synchronous on purpose: no other frame is handled between comparing the
+        epoch and superseding the older sessions.
+        """
+        if self.track_epochs and me.epoch is not None:
+            key = (me.agent_id, me.queue_id)
+            highest = self.highest_epochs.get(key)
+            if highest is not None and me.epoch < highest:
+                log.warning(
+                    "dev_server_epoch_refused",
+                    agent_id=me.agent_id,
+                    queue_id=me.queue_id,
+                    epoch=me.epoch,
+                    highest=highest,
+                    session=me.session,
+                )
+                self.timeline.append(Arrival("refused_hello", me.session, me.agent_id, me.epoch))
+                self._pulse()
+                return (
+                    f"lease epoch {me.epoch} is below the highest seen ({highest}) for agent "
+                    f"{me.agent_id} and queue {me.queue_id}: another process holds the lease"
+                )
+            self.highest_epochs[key] = me.epoch
+            for other_ws, other in self._peers.items():
+                if other.superseded or other.agent_id != me.agent_id:
+                    continue
+                if other.epoch is None or (other.queue_id == me.queue_id and other.epoch <= me.epoch):
+                    self._supersede(other_ws, other, me)
+        self._peers[ws] = me
+        self.timeline.append(Arrival("hello", me.session, me.agent_id, me.epoch))
+        return None
+
+    def _supersede(self, ws: ServerConnection, old: _Peer, new: _Peer) -> None:
+        """From now on ``old``'s frames are dropped; tell it why and close it with 4001."""
+        old.superseded = True
+        log.warning(
+            "dev_server_session_superseded",
+            agent_id=old.agent_id,
+            session=old.session,
+            epoch=old.epoch,
+            by_session=new.session,
+            by_epoch=new.epoch,
+        )
+
+        async def close() -> None:
+            with contextlib.suppress(ConnectionClosed):
+                await ws.send(
+                    ErrorMessage(f"superseded by a session with lease epoch {new.epoch}").to_json()
+                )
+                await ws.close(EPOCH_REFUSED, f"superseded by lease epoch {new.epoch}")
+
+        task = asyncio.create_task(close())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _drop_stale(self, me: _Peer, frame: str | bytes) -> None:
+        try:
+            message = parse_client_frame(frame)
+        except ProtocolError:
+            message = None
+        t = message if isinstance(message, Transmit) else None
+        self.timeline.append(Arrival("stale_frame", me.session, me.agent_id, me.epoch, t))
+        log.warning(
+            "dev_server_stale_frame_dropped",
+            agent_id=me.agent_id,
+            session=me.session,
+            epoch=me.epoch,
+            id=t.id if t else None,
+            seq=t.seq if t else None,
+            attempt=t.attempt if t else None,
+        )
+        self._pulse()
+
+    # -- transmits -------------------------------------------------------------------
 
     async def _expect_hello(self, ws: ServerConnection, peer: str) -> Hello | None:
         try:
@@ -242,8 +387,9 @@ class DevServer:
             return None
         return message
 
-    async def _on_transmit(self, ws: ServerConnection, t: Transmit) -> None:
+    def _record(self, me: _Peer, t: Transmit) -> None:
         self.received.append(t)
+        self.timeline.append(Arrival("transmit", me.session, me.agent_id, me.epoch, t))
         log.info(
             "dev_server_received",
             id=t.id,
@@ -252,9 +398,12 @@ class DevServer:
             attempt=t.attempt,
             control_id=t.control_id,
             message_type=t.message_type,
+            session=me.session,
         )
         self._store(t)
         self._pulse()
+
+    async def _on_transmit(self, ws: ServerConnection, t: Transmit) -> None:
         remembered = self.answered.get(t.id) if self.replay else None
         if remembered is not None:
             # SPEC 5: a replayed answer carries the current attempt.

@@ -12,10 +12,22 @@ committed before the frame is written, so a crash can never hide a sent
 frame as unsent. Only the lease holder is connected upstream, too: the link is
 opened when the lease is taken and closed before it is released, so the
 server sees one session of this agent at a time, also during an upgrade
-overlap (SPEC 7: no gap, no duplicate, no reordering). Recovery (after a crash, a response timeout or a lost
-connection): an ``inflight`` row is resent with the same id when the server
-announced ``replay``; otherwise it goes to ``failed`` for review, or back to
-``queued`` on a ``guaranteed_delivery`` channel.
+overlap (SPEC 7: no gap, no duplicate, no reordering).
+
+The epoch fences database writes, not the wire: a holder frozen (SIGSTOP, a
+VM pause) between committing ``inflight`` and writing the frame could wake
+after its successor took over and write a stale frame. So before every write
+to the server the holder checks, by its own monotonic clock, that its last
+successful renewal began less than 0.8 x ``lease_ttl`` ago
+(:class:`LeaseValidity`); if not, nothing is written, the tenure ends (session
+dropped) and the lease is checked again. ``hello`` carries the epoch and the
+queue's id, so a server that tracks epochs refuses a stale holder too (close
+code 4001: the tenure ends likewise, and the next one waits a backoff).
+
+Recovery (after a crash, a response timeout or a lost connection): an
+``inflight`` row is resent with the same id when the server announced
+``replay``; otherwise it goes to ``failed`` for review, or back to ``queued``
+on a ``guaranteed_delivery`` channel.
 """
 
 from __future__ import annotations
@@ -33,13 +45,20 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import structlog
 
 from agent import __version__, acks, envelope
-from agent.aio import unless
+from agent.aio import cancel_and_wait, unless
 from agent.errors import HL7Error, LeaseLost, StorageError
 from agent.protocol import Transmit, TransmitResponse, classify_status, max_frame_bytes, rfc3339_utc
 from agent.relay import AckRelay
-from agent.retry import attempts_exhausted, retry_delay
+from agent.retry import attempts_exhausted, backoff, retry_delay
 from agent.store import HeadRow, LeaseHolder, SqliteStore
-from agent.upstream import LinkSettings, Session, SessionClosed, TransmitTooLarge, UpstreamLink
+from agent.upstream import (
+    LeaseExpired,
+    LinkSettings,
+    Session,
+    SessionClosed,
+    TransmitTooLarge,
+    UpstreamLink,
+)
 from agent.writer import Reader, Writer
 
 if TYPE_CHECKING:
@@ -51,6 +70,62 @@ T = TypeVar("T")
 
 #: How often an idle channel looks for new rows written by another process.
 IDLE_POLL_SECONDS = 0.25
+#: A holder writes to the server only while its last successful renewal
+#: began less than this share of lease_ttl ago. A successor can take over
+#: only after the full TTL has passed on the wall clock; the rest is margin
+#: for a wall-clock step and for the write itself.
+LEASE_WRITE_FRACTION = 0.8
+#: After the server refused our epoch (close code 4001): wait this long,
+#: doubling up to the cap, before the lease is taken again with a new epoch.
+EPOCH_REFUSED_INITIAL = 1.0
+EPOCH_REFUSED_CAP = 60.0
+
+
+def lease_clock() -> float:
+    """Seconds on CLOCK_BOOTTIME where there is one, else the monotonic clock.
+
+    Both never go back and ignore wall-clock steps; BOOTTIME also counts the
+    time the host was suspended, which is time a successor may have used.
+    """
+    boottime = getattr(time, "CLOCK_BOOTTIME", None)
+    if boottime is not None:
+        return time.clock_gettime(boottime)
+    return time.monotonic()
+
+
+class LeaseValidity:
+    """Whether this process may still write to the server under its lease, by its own clock.
+
+    Pure: ``renewed(started_at)`` after each successful take or renewal, with
+    the clock read *before* that transaction began (so the age is never
+    under-counted); ``valid()`` before each write.
+    """
+
+    def __init__(self, ttl: float, clock: Callable[[], float] = lease_clock) -> None:
+        self.limit = ttl * LEASE_WRITE_FRACTION
+        self.clock = clock
+        self._since: float | None = None
+
+    def renewed(self, started_at: float) -> None:
+        if self._since is None or started_at > self._since:
+            self._since = started_at
+
+    def age(self) -> float | None:
+        """Seconds since the last successful renewal began; None before the first."""
+        return None if self._since is None else self.clock() - self._since
+
+    def valid(self) -> bool:
+        age = self.age()
+        return age is not None and age < self.limit
+
+
+@dataclass
+class _Tenure:
+    """One lease tenure: its epoch, its clock check, and whether that check has failed."""
+
+    epoch: int
+    validity: LeaseValidity
+    lapsed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -64,6 +139,10 @@ class _Stopping(Exception):
     """Internal: the dispatcher was asked to stop while a worker waited."""
 
 
+class _EpochRefused(Exception):
+    """Internal: the server refused this tenure's epoch (close code 4001)."""
+
+
 class Dispatcher:
     """Holds (or waits for) the lease and runs the channel workers."""
 
@@ -75,7 +154,7 @@ class Dispatcher:
         relay: AckRelay | None,
         metrics: AgentMetrics | None = None,
         *,
-        link_factory: Callable[[], UpstreamLink] | None = None,
+        link_factory: Callable[[int, Callable[[], bool]], UpstreamLink] | None = None,
     ) -> None:
         self.settings = settings
         self.writer = writer
@@ -84,6 +163,8 @@ class Dispatcher:
         self.metrics = metrics
         self.me = LeaseHolder.for_this_process(settings.agent.id)
         self.epoch: int | None = None
+        #: The queue database's UUID, sent in hello (read when dispatch starts).
+        self.queue_id: str | None = None
         self.lease_held = False
         self.stopping = asyncio.Event()
         self._wake: dict[str, asyncio.Event] = {c.name: asyncio.Event() for c in settings.channels}
@@ -91,6 +172,7 @@ class Dispatcher:
         # Keyed by the session object itself: an id() could be reused by a later session.
         self._too_big_victims: weakref.WeakKeyDictionary[Session, str | None] = weakref.WeakKeyDictionary()
         self._sending: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()
         # Read once at start, as before: a broken token_file fails the start, not a takeover.
         self._token = settings.server.token_value()
         self._link_factory = link_factory or self._new_link
@@ -100,9 +182,10 @@ class Dispatcher:
         #: Set while no lease tenure runs (stop() waits for it before releasing).
         self._tenure_over = asyncio.Event()
         self._tenure_over.set()
+        self._refused_delays = backoff(EPOCH_REFUSED_INITIAL, 2.0, EPOCH_REFUSED_CAP)
         self.log = log.bind(holder=self.me.holder)
 
-    def _new_link(self) -> UpstreamLink:
+    def _new_link(self, epoch: int, write_allowed: Callable[[], bool]) -> UpstreamLink:
         """One link per lease tenure (an UpstreamLink is not restartable after close)."""
         server = self.settings.server
         largest = max((c.max_message_bytes for c in self.settings.channels), default=1_048_576)
@@ -121,12 +204,15 @@ class Dispatcher:
                 ca_file=str(server.ca_file) if server.ca_file else None,
                 client_cert=str(server.client_cert) if server.client_cert else None,
                 client_key=str(server.client_key) if server.client_key else None,
+                epoch=epoch,
+                queue_id=self.queue_id,
             ),
             on_connected_change=self._connected_changed,
+            write_allowed=write_allowed,
         )
 
-    def _open_link(self) -> UpstreamLink:
-        link = self._link_factory()
+    def _open_link(self, tenure: _Tenure) -> UpstreamLink:
+        link = self._link_factory(tenure.epoch, self._write_guard(tenure))
         self.link = link
         self._link_task = asyncio.create_task(link.run(), name="upstream-link")
         return link
@@ -180,7 +266,10 @@ class Dispatcher:
         d = self.settings.dispatch
         try:
             while not self.stopping.is_set():
+                started = lease_clock()
                 try:
+                    if self.queue_id is None:
+                        self.queue_id = await self.reader.run(lambda s: s.queue_id())
                     epoch = await self._store(lambda s: s.try_acquire_lease(self.me, d.lease_ttl))
                 except StorageError as exc:
                     # A locked or failing database must not stop the daemon:
@@ -191,20 +280,24 @@ class Dispatcher:
                 if epoch is None:
                     await self._sleep(d.lease_acquire_interval)
                     continue
+                tenure = _Tenure(epoch, LeaseValidity(d.lease_ttl, lease_clock))
+                tenure.validity.renewed(started)
                 self.epoch = epoch
                 self._set_lease_held(True)
                 self._tenure_over.clear()
                 self.log.info("lease_acquired", epoch=epoch)
-                link = self._open_link()
-                lost = False
+                link = self._open_link(tenure)
+                lost = refused = False
                 try:
                     recovered = await self._store(lambda s: s.recover_claimed(self.me.holder, epoch))  # noqa: B023 - run before the loop moves on
                     if recovered:
                         self.log.info("claimed_rows_requeued", rows=recovered)
-                    await self._dispatch_under_lease(epoch, link)
-                except* LeaseLost:
+                    await self._dispatch_under_lease(tenure, link)
+                except* LeaseLost as group:
                     lost = True
-                    self.log.warning("lease_lost", epoch=epoch)
+                    self.log.warning("lease_lost", epoch=epoch, reason=str(group.exceptions[0]))
+                except* _EpochRefused:
+                    lost = refused = True
                 except* StorageError as group:
                     # Keep the lease row as it is (we take it back at once,
                     # holder == us) and start a fresh tenure after a pause.
@@ -220,6 +313,15 @@ class Dispatcher:
                         await self._release(epoch)
                     self._set_lease_held(False)
                     self._tenure_over.set()
+                if refused:
+                    # Another process of this agent dispatches under a newer
+                    # epoch (or the server saw one this queue never had: a
+                    # restored backup). Check the lease again, not at once.
+                    delay = next(self._refused_delays)
+                    self.log.warning("dispatch_paused_epoch_refused", epoch=epoch, retry_in_s=round(delay, 2))
+                    await self._sleep(delay)
+                else:
+                    self._refused_delays = backoff(EPOCH_REFUSED_INITIAL, 2.0, EPOCH_REFUSED_CAP)
         finally:
             await self._close_link()
             self._tenure_over.set()
@@ -238,28 +340,66 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.set_lease_held(held)
 
-    async def _dispatch_under_lease(self, epoch: int, link: UpstreamLink) -> None:
+    async def _dispatch_under_lease(self, tenure: _Tenure, link: UpstreamLink) -> None:
+        epoch = tenure.epoch
         async with asyncio.TaskGroup() as group:
-            group.create_task(self._heartbeat(epoch), name="lease-heartbeat")
+            group.create_task(self._heartbeat(tenure), name="lease-heartbeat")
+            group.create_task(self._watch_tenure(tenure, link), name="lease-watch")
             for channel in self.settings.channels:
                 group.create_task(self._channel_worker(channel, epoch, link), name=f"dispatch-{channel.name}")
 
-    async def _heartbeat(self, epoch: int) -> None:
+    async def _heartbeat(self, tenure: _Tenure) -> None:
         d = self.settings.dispatch
-        renewed_at = time.monotonic()
+        epoch = tenure.epoch
         while not self.stopping.is_set():
             await self._sleep(d.lease_heartbeat)
             if self.stopping.is_set():
                 return
+            started = tenure.validity.clock()
             try:
                 await self._store(lambda s: s.renew_lease(self.me.holder, epoch, d.lease_ttl))
-                renewed_at = time.monotonic()
+                tenure.validity.renewed(started)
             except StorageError as exc:
                 # Fencing keeps rows safe either way; stop before the lease
                 # could have expired under us.
                 self.log.warning("lease_renew_failed", error=str(exc))
-                if time.monotonic() - renewed_at > d.lease_ttl - d.lease_heartbeat:
+                age = tenure.validity.age()
+                if age is None or age > d.lease_ttl - d.lease_heartbeat:
                     raise LeaseLost("could not renew the lease before its expiry") from exc
+
+    def _write_guard(self, tenure: _Tenure) -> Callable[[], bool]:
+        """The check the link makes before every write to the server (see the module docstring)."""
+
+        def allowed() -> bool:
+            if tenure.validity.valid():
+                return True
+            if not tenure.lapsed.is_set():
+                tenure.lapsed.set()
+                age = tenure.validity.age()
+                self.log.warning(
+                    "lease_validity_lapsed",
+                    epoch=tenure.epoch,
+                    since_renewal_s=None if age is None else round(age, 3),
+                    limit_s=round(tenure.validity.limit, 3),
+                    hint="this process was stalled or could not renew its lease: it writes "
+                    "nothing to the server and checks the lease again",
+                )
+            return False
+
+        return allowed
+
+    async def _watch_tenure(self, tenure: _Tenure, link: UpstreamLink) -> None:
+        """End the tenure when its write guard failed or the server refused its epoch."""
+        waiters = [asyncio.ensure_future(e.wait()) for e in (tenure.lapsed, link.refused, self.stopping)]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_and_wait(*waiters)
+        if self.stopping.is_set():
+            return
+        if link.refused.is_set():
+            raise _EpochRefused
+        raise LeaseLost(f"lease not proven valid: not renewed within {tenure.validity.limit:.1f} s")
 
     async def stop(self, deadline: float, force: asyncio.Event | None = None) -> None:
         """Stop claiming, let in-flight transmits settle until ``deadline``, release the lease."""
@@ -436,6 +576,14 @@ class Dispatcher:
         except TransmitTooLarge as exc:
             await self._give_up(channel, epoch, head, attempt, "rejected", "207", str(exc), mlog)
             return
+        except LeaseExpired as exc:
+            # Provably not written. Shielded: the tenure is being torn down
+            # around this worker, and the put-back must not be cancelled.
+            put_back = asyncio.create_task(self._put_back_unsent(epoch, head, attempt, mlog))
+            self._background.add(put_back)
+            put_back.add_done_callback(self._background.discard)
+            await asyncio.shield(put_back)
+            raise LeaseLost(str(exc)) from exc
         except SessionClosed as exc:
             if exc.too_big and self._too_big_victim(session) == head.id:
                 await self._give_up(channel, epoch, head, attempt, "rejected", "207",
@@ -450,6 +598,23 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.observe_dispatch_latency(channel.name, time.monotonic() - started)
         await self._settle_response(channel, epoch, head, attempt, response, mlog)
+
+    async def _put_back_unsent(self, epoch: int, head: HeadRow, attempt: int, mlog: Any) -> None:
+        """Back to the head if the lease still stands (the write is fenced).
+
+        If the lease moved, the row stays ``inflight`` for the successor's
+        recovery: it cannot know the frame was never written.
+        """
+        try:
+            if await self._store(
+                lambda s: s.requeue(self.me.holder, epoch, head.id, attempt, 0.0, error_code="not_sent",
+                                    error_text="lease not proven valid before the write")
+            ):
+                mlog.info("transmit_not_sent_lease_unproven", attempt=attempt)
+        except LeaseLost:
+            mlog.info("transmit_not_sent_lease_moved", attempt=attempt)
+        except StorageError as exc:
+            mlog.warning("transmit_not_sent_requeue_failed", attempt=attempt, error=str(exc))
 
     def _too_big_victim(self, session: Session) -> str | None:
         """SPEC 5: a 1009 close rejects the largest transmit in flight on that session."""
@@ -563,4 +728,3 @@ class Dispatcher:
             self._settled(channel, head, state, app_ack)
         else:
             mlog.info("stale_settle_ignored", attempt=attempt)
-

@@ -14,6 +14,7 @@ server can add fields without breaking this agent.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -40,21 +41,34 @@ def _dumps(obj: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """agent -> server, first frame after the WebSocket opens (SPEC 5 step 1)."""
+    """agent -> server, first frame after the WebSocket opens (SPEC 5 step 1).
+
+    ``epoch`` is the dispatch lease epoch this session dispatches under and
+    ``queue_id`` the UUID of the queue database: a server that tracks epochs
+    per (agent_id, queue_id) refuses a holder whose epoch is below the
+    highest it has seen, so a holder that lost its lease while frozen cannot
+    get a late frame through. Both are absent in a hello from an agent
+    version before them; such a hello still parses (see ``_hello``).
+    """
 
     agent_id: str
     version: str
     protocol: int = PROTOCOL_VERSION
+    epoch: int | None = None
+    queue_id: str | None = None
 
     def to_json(self) -> str:
-        return _dumps(
-            {
-                "type": "hello",
-                "agent_id": self.agent_id,
-                "version": self.version,
-                "protocol": self.protocol,
-            }
-        )
+        frame: dict[str, Any] = {
+            "type": "hello",
+            "agent_id": self.agent_id,
+            "version": self.version,
+            "protocol": self.protocol,
+        }
+        if self.epoch is not None:
+            frame["epoch"] = self.epoch
+        if self.queue_id is not None:
+            frame["queue_id"] = self.queue_id
+        return _dumps(frame)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,11 +244,31 @@ def _error(obj: Mapping[str, Any]) -> ErrorMessage:
     return ErrorMessage(message=_str(obj, "message", "error"))
 
 
+def _uuid(obj: Mapping[str, Any], key: str, kind: str) -> str:
+    value = _str(obj, key, kind)
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        raise ProtocolError(f"{kind} field {key!r} must be a UUID") from None
+    return value
+
+
 def _hello(obj: Mapping[str, Any]) -> Hello:
+    """A hello; ``epoch`` and ``queue_id`` are optional, but well-formed when present.
+
+    Optional because an agent of the previous version sends neither, and in
+    an upgrade overlap it talks to the same server as its successor until it
+    hands over: refusing its hello would cut it off with rows in flight.
+    A server cannot fence such a session by epoch; it treats it as older than
+    any session that sends one.
+    """
+    k = "hello"
     return Hello(
-        agent_id=_str(obj, "agent_id", "hello"),
-        version=_str(obj, "version", "hello"),
-        protocol=_int(obj, "protocol", "hello", minimum=1),
+        agent_id=_str(obj, "agent_id", k),
+        version=_str(obj, "version", k),
+        protocol=_int(obj, "protocol", k, minimum=1),
+        epoch=_int(obj, "epoch", k, minimum=1) if "epoch" in obj else None,
+        queue_id=_uuid(obj, "queue_id", k) if "queue_id" in obj else None,
     )
 
 

@@ -142,8 +142,8 @@ def _read_pidns() -> str:
         return ""
 
 
-def _process_start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (start time in clock ticks since boot)."""
+def _process_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time) from /proc/PID/stat, fields 3 and 22 (proc(5)); None if no such PID."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -151,19 +151,39 @@ def _process_start_ticks(pid: int) -> int | None:
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
     fields = stat[stat.rfind(")") + 2 :].split()
     try:
-        return int(fields[19])
+        return fields[0], int(fields[19])
     except (IndexError, ValueError):
         return None
 
 
+def _process_start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks since boot)."""
+    found = _process_stat(pid)
+    return found[1] if found is not None else None
+
+
+#: proc(5) states of a process that has exited: Z (zombie: killed or exited,
+#: not yet reaped by its parent) and X (dead). A stopped process (T, t) may
+#: still resume, so it counts as alive.
+_EXITED_STATES = frozenset({"Z", "X"})
+
+
 def holder_provably_dead(pid: int | None, boot: str | None, pidns: str | None, start: int | None) -> bool:
-    """SPEC 6: same boot and PID namespace, and the PID is gone or reused."""
+    """Same boot and PID namespace, and the PID is gone, reused, or has exited unreaped (a zombie).
+
+    A zombie keeps its /proc entry and start time until its parent reaps it
+    (a supervisor may take its time), yet runs no code: it can dispatch
+    nothing, so a standby need not wait out the TTL for it.
+    """
     if pid is None or not boot or not pidns:
         return False
     if boot != _read_boot_id() or pidns != _read_pidns():
         return False
-    ticks = _process_start_ticks(pid)
-    return ticks is None or (start is not None and ticks != start)
+    found = _process_stat(pid)
+    if found is None:
+        return True
+    state, ticks = found
+    return (start is not None and ticks != start) or state in _EXITED_STATES
 
 
 class QueueStore(Protocol):
@@ -182,6 +202,7 @@ class QueueStore(Protocol):
     def set_ack_outcome(self, message_id: str, outcome: str) -> bool: ...
     # lease
     def lease(self) -> Lease | None: ...
+    def queue_id(self) -> str | None: ...
     def try_acquire_lease(self, me: LeaseHolder, ttl: float) -> int | None: ...
     def renew_lease(self, holder: str, epoch: int, ttl: float) -> None: ...
     def release_lease(self, holder: str, epoch: int) -> bool: ...
@@ -480,6 +501,11 @@ class SqliteStore:
             seen_epoch=epoch,
         )
         return int(taken[0]) if taken else None
+
+    def queue_id(self) -> str | None:
+        """The UUID this queue got when it was created (or first opened by this version)."""
+        row = self._one("queue_id")
+        return str(row[0]) if row is not None else None
 
     def renew_lease(self, holder: str, epoch: int, ttl: float) -> None:
         now = self.clock()

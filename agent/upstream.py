@@ -6,6 +6,13 @@ jitter (``agent.retry``) whenever it drops, until ``close()``. A ``Session`` is
 one authenticated connection: ``transmit()`` writes one frame and waits for the
 ``transmit_response`` with the same id *and* attempt.
 
+Before every write to the server (hello, transmit) the link asks the
+dispatcher's ``write_allowed`` guard whether its lease still stands; a refusal
+means the frame is never written (``LeaseExpired``). ``hello`` carries the
+lease epoch and the queue's id; a server that saw a higher epoch for them
+refuses this holder and closes with 4001, after which the link stops
+reconnecting (``refused``) and the dispatcher rechecks its lease.
+
 What this module deliberately does not do: retry transmits, time them out, or
 decide what a status means. Those belong to the dispatcher, which holds the
 lease and settles rows (SPEC 6); a link that retried on its own could send a
@@ -50,6 +57,10 @@ log = structlog.get_logger(__name__)
 ABNORMAL_CLOSURE = 1006
 #: RFC 6455 section 7.4.1: 1009, "message too big" (SPEC 5 rejects the largest transmit).
 MESSAGE_TOO_BIG = 1009
+#: Close code of protocol v1 (RFC 6455 section 7.4.2: 4000-4999 are private
+#: use): the server has seen a higher lease epoch for this agent and queue,
+#: so this session's holder is stale.
+EPOCH_REFUSED = 4001
 #: A session that lived this long counts as healthy: the reconnect backoff starts over.
 STABLE_SESSION_SECONDS = 30.0
 #: Error texts from the server are operator hints; keep log lines bounded.
@@ -79,6 +90,10 @@ class LinkSettings:
     #: Called before every connect (token_file rotation needs no restart);
     #: ``token`` is used when it is None or fails.
     token_source: Callable[[], str | None] | None = None
+    #: The lease epoch this link's sessions dispatch under, and the queue's
+    #: UUID: sent in hello so a server can refuse a stale holder.
+    epoch: int | None = None
+    queue_id: str | None = None
 
 
 class SessionClosed(LocalError):
@@ -103,6 +118,11 @@ class SessionClosed(LocalError):
         """The server closed with 1009: a frame we sent exceeded its limit (SPEC 5)."""
         return self.by_server and self.code == MESSAGE_TOO_BIG
 
+    @property
+    def epoch_refused(self) -> bool:
+        """The server closed with 4001: it has seen a higher lease epoch for this agent and queue."""
+        return self.by_server and self.code == EPOCH_REFUSED
+
     def copy(self) -> SessionClosed:
         """A fresh exception with the same facts (one instance per raise)."""
         return SessionClosed(self.code, self.reason, by_server=self.by_server)
@@ -119,6 +139,10 @@ class TransmitTooLarge(ProtocolError):
 
 class TransmitInProgress(LocalError):
     """A transmit for this id is already waiting on this session (a dispatcher bug)."""
+
+
+class LeaseExpired(LocalError):
+    """The write guard could not confirm the lease: the frame was provably not written."""
 
 
 def _safe_url(url: str) -> str:
@@ -150,12 +174,14 @@ class Session:
         max_frame_bytes: int,
         generation: int = 1,
         on_closed: Callable[[Session], None] | None = None,
+        write_allowed: Callable[[], bool] | None = None,
     ) -> None:
         self.replay = replay
         self.generation = generation  # counts sessions of one link: 1, 2, ...
         self._ws = ws
         self._max_frame_bytes = max_frame_bytes
         self._on_closed = on_closed
+        self._write_allowed = write_allowed
         self._waiters: dict[str, tuple[int, asyncio.Future[TransmitResponse]]] = {}
         self._closed = asyncio.Event()
         self._close_info: SessionClosed | None = None
@@ -206,7 +232,8 @@ class Session:
 
         Raises TransmitTooLarge (a ProtocolError) before sending anything when
         the frame exceeds max_frame_bytes, SessionClosed if the connection ends
-        before the answer, TransmitInProgress if this id is already waiting.
+        before the answer, TransmitInProgress if this id is already waiting,
+        LeaseExpired (nothing written) when the write guard refuses.
         """
         text = t.to_json()
         size = len(text.encode("utf-8"))
@@ -216,6 +243,11 @@ class Session:
             raise self._close_info.copy()
         if t.id in self._waiters:
             raise TransmitInProgress(f"transmit {t.id} is already waiting on this session")
+        # The last check before the write, with no await between the two: a
+        # holder frozen past its lease (SIGSTOP, a VM pause) wakes up here and
+        # must not put its stale frame on the wire.
+        if self._write_allowed is not None and not self._write_allowed():
+            raise LeaseExpired(f"transmit {t.id} attempt {t.attempt} not sent: the lease is not proven valid")
         future: asyncio.Future[TransmitResponse] = asyncio.get_running_loop().create_future()
         self._waiters[t.id] = (t.attempt, future)
         try:
@@ -339,6 +371,7 @@ class UpstreamLink:
         *,
         rng: random.Random | None = None,
         on_connected_change: Callable[[bool], None] | None = None,
+        write_allowed: Callable[[], bool] | None = None,
     ) -> None:
         self._settings = settings
         self._token = settings.token
@@ -350,6 +383,10 @@ class UpstreamLink:
         self._stop = asyncio.Event()
         self._done = asyncio.Event()
         self._running = False
+        self._write_allowed = write_allowed
+        #: Set when the server refused this link's epoch (close code 4001):
+        #: the link does not reconnect; its owner rechecks the lease.
+        self.refused = asyncio.Event()
         self.last_error: str | None = None
         self._log = log.bind(url=_safe_url(settings.url))
 
@@ -366,14 +403,16 @@ class UpstreamLink:
         return s if s is not None and not s.closed else None
 
     async def session(self) -> Session:
-        """Wait until a session is up and return it; SessionClosed once the link is closed."""
+        """Wait until a session is up and return it; SessionClosed once the link is closed or refused."""
         while True:
             if self._stop.is_set():
                 raise SessionClosed(None, "upstream link closed")
+            if self.refused.is_set():
+                raise SessionClosed(EPOCH_REFUSED, "the server refused this lease epoch", by_server=True)
             s = self.current()
             if s is not None:
                 return s
-            await self._first(self._up.wait(), self._stop.wait())
+            await self._first(self._up.wait(), self._stop.wait(), self.refused.wait())
 
     async def run(self) -> None:
         """Connect, hello, welcome, publish; reconnect with backoff on loss; until close()."""
@@ -384,7 +423,7 @@ class UpstreamLink:
         delays = backoff(s.reconnect_initial, 2.0, s.reconnect_cap, rng=self._rng)
         loop = asyncio.get_running_loop()
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not self.refused.is_set():
                 session = await self._until_stopped(self._connect_once())
                 if session is not None:
                     started = loop.time()
@@ -400,8 +439,13 @@ class UpstreamLink:
                         reason=info.reason if info else "",
                         session=session.generation,
                     )
+                    if info is not None and info.epoch_refused:
+                        self._epoch_refused(info.reason, session=session.generation)
+                        break
                     if loop.time() - started >= STABLE_SESSION_SECONDS:
                         delays = backoff(s.reconnect_initial, 2.0, s.reconnect_cap, rng=self._rng)
+                if self.refused.is_set():
+                    break
                 delay = next(delays)
                 self._log.info("upstream_reconnect_scheduled", delay_s=round(delay, 3))
                 with contextlib.suppress(TimeoutError):
@@ -437,6 +481,21 @@ class UpstreamLink:
         if self._on_connected_change is not None:
             self._on_connected_change(True)
 
+    def _epoch_refused(self, reason: str, **fields: Any) -> None:
+        """The server has seen a higher epoch for us: stop; the owner rechecks its lease."""
+        s = self._settings
+        self.last_error = f"server refused lease epoch {s.epoch} (close code {EPOCH_REFUSED})"
+        self._log.error(
+            "upstream_epoch_refused",
+            epoch=s.epoch,
+            queue_id=s.queue_id,
+            reason=reason[:_MAX_LOGGED_TEXT],
+            hint="another process of this agent dispatches under a newer lease epoch; "
+            "this one stops sending and rechecks the lease",
+            **fields,
+        )
+        self.refused.set()
+
     def _session_closed(self, session: Session) -> None:
         if session is self._current:
             self._up.clear()
@@ -471,6 +530,10 @@ class UpstreamLink:
     async def _connect_once(self) -> Session | None:
         """One attempt: WebSocket upgrade, hello, welcome. None (logged) on failure."""
         s = self._settings
+        if self._write_allowed is not None and not self._write_allowed():
+            self.last_error = "lease not proven valid: not connecting"
+            self._log.warning("upstream_connect_skipped", epoch=s.epoch)
+            return None
         token = self._current_token()
         headers = {"Authorization": f"Bearer {token}"} if token else None
         try:
@@ -522,6 +585,7 @@ class UpstreamLink:
             max_frame_bytes=s.max_frame_bytes,
             generation=self._generation,
             on_closed=self._session_closed,
+            write_allowed=self._write_allowed,
         )
         session.start()
         return session
@@ -529,8 +593,14 @@ class UpstreamLink:
     async def _handshake(self, ws: ClientConnection) -> bool | None:
         """Send hello, wait up to connect_timeout for welcome; its replay flag, or None."""
         s = self._settings
+        if self._write_allowed is not None and not self._write_allowed():
+            self.last_error = "lease not proven valid: no hello sent"
+            self._log.warning("upstream_hello_not_sent", epoch=s.epoch)
+            ws.transport.abort()  # not even a Close frame: nothing goes out under this lease
+            return None
+        hello = Hello(agent_id=s.agent_id, version=s.version, epoch=s.epoch, queue_id=s.queue_id)
         try:
-            await ws.send(Hello(agent_id=s.agent_id, version=s.version).to_json())
+            await ws.send(hello.to_json())
             welcome = await asyncio.wait_for(self._await_welcome(ws), s.connect_timeout)
         except TimeoutError:
             self.last_error = f"no welcome within {s.connect_timeout} s"
@@ -546,6 +616,8 @@ class UpstreamLink:
             code = exc.rcvd.code if exc.rcvd else ABNORMAL_CLOSURE
             self.last_error = f"connection closed before welcome (code {code})"
             self._log.warning("upstream_closed_before_welcome", code=code)
+            if code == EPOCH_REFUSED and exc.rcvd is not None:
+                self._epoch_refused(exc.rcvd.reason)
             return None
         return welcome.replay
 
@@ -563,6 +635,8 @@ class UpstreamLink:
 
 
 __all__ = [
+    "EPOCH_REFUSED",
+    "LeaseExpired",
     "LinkSettings",
     "Session",
     "SessionClosed",

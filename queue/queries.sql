@@ -71,6 +71,10 @@ UPDATE lease SET holder = NULL, holder_pid = NULL, holder_boot = NULL, holder_pi
                  holder_start = NULL, expires_at = NULL
 WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch
 
+-- name: queue_id
+-- The queue's UUID (made once by migrate): sent in hello with the lease epoch.
+SELECT value FROM meta WHERE key = 'queue_id'
+
 -- name: lease_fence
 SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch
 

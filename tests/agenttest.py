@@ -262,10 +262,10 @@ class DevServerThread:
     """A real DevServer on its own event loop thread, for tests that run the daemon as a subprocess."""
 
     def __init__(self, *, token: str | None = "test-token", replay: bool = True,
-                 decide: Callable[[Any], Any] | None = None, port: int = 0) -> None:
+                 decide: Callable[[Any], Any] | None = None, port: int = 0, **options: Any) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="dev-server", daemon=True)
-        self.server = DevServer(token=token, replay=replay, decide=decide)
+        self.server = DevServer(token=token, replay=replay, decide=decide, **options)
         self._port = port
         self.thread.start()
 
