@@ -44,6 +44,9 @@ MAX_PIPELINED_FRAMES = 32
 READ_CHUNK = 256 * 1024
 #: Matches sockets.bind_listener and the systemd socket unit's Backlog=.
 LISTEN_BACKLOG = 1024
+#: A newcomer refused because every connection is busy is logged once per
+#: source per this many seconds (a retrying sender must not flood the log).
+REFUSAL_LOG_INTERVAL = 60.0
 
 
 @dataclass
@@ -81,6 +84,19 @@ def format_peer(peer: Any) -> str:
     return str(peer or "unknown")
 
 
+def source_address(peer: Any) -> str:
+    """The sender's address without the port (IPv4-mapped IPv6 as IPv4): the per-source key."""
+    if not isinstance(peer, tuple) or not peer:
+        return str(peer or "unknown")
+    try:
+        address = ipaddress.ip_address(peer[0])
+    except (TypeError, ValueError):
+        return str(peer[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address)
+
+
 def build_server_ssl(channel: ChannelSettings) -> ssl.SSLContext | None:
     """TLS for a channel: ``tls_cert``/``tls_key``; ``tls_client_ca`` makes client certs required."""
     if channel.tls_cert is None:
@@ -107,6 +123,8 @@ class ChannelListener:
         self._no_connections.set()
         self._server: asyncio.Server | None = None
         self._allowed = [ipaddress.ip_network(c, strict=False) for c in channel.allowed_sources]
+        #: source -> (when a refusal was last logged, refusals since then)
+        self._refusals: dict[str, tuple[float, int]] = {}
         self._ssl = build_server_ssl(channel)
         self.log = log.bind(channel=channel.name)
 
@@ -156,13 +174,74 @@ class ChannelListener:
         remote = format_peer(peer)
         if not self._source_allowed(peer):
             self.log.warning("connection_refused_source", peer=remote)
+            self._count_refusal("source_not_allowed")
             writer.close()
             return
-        if self.channel.max_connections and len(self.connections) >= self.channel.max_connections:
-            self.log.warning("connection_refused_limit", peer=remote, limit=self.channel.max_connections)
+        if not self._admit(source_address(peer), remote):
             writer.close()
             return
+        # No await between admission and _serve adding the connection: the count stays exact.
         await self._serve(Connection(self, reader, writer, remote))
+
+    # -- admission -----------------------------------------------------------
+
+    def _admit(self, source: str, remote: str) -> bool:
+        """Make room for a newcomer, or refuse it when every connection in the way is busy.
+
+        A channel (or one source) at its limit closes its longest-idle
+        connection — no partial frame, no ACK owed — so connections that went
+        silent (a device that rebooted without FIN, a scanner, a health check
+        that never closes) cannot lock senders out. Only when all of them are
+        busy is the newcomer closed at once.
+        """
+        limits = (
+            ("max_connections_per_source", min(self.channel.max_connections_per_source,
+                                               self.channel.max_connections), source),
+            ("max_connections", self.channel.max_connections, None),
+        )
+        for key, limit, only_source in limits:
+            while True:
+                open_now = [c for c in self.connections if not c.evicted
+                            and (only_source is None or c.source == only_source)]
+                if len(open_now) < limit:
+                    break
+                if not self._evict_longest_idle(open_now, remote, key):
+                    self._refuse(source, remote, key, limit)
+                    return False
+        return True
+
+    def _evict_longest_idle(self, candidates: list[Connection], newcomer: str, key: str) -> bool:
+        idle = [(since, conn) for conn in candidates if (since := conn.idle_since()) is not None]
+        if not idle:
+            return False
+        since, victim = min(idle, key=lambda pair: pair[0])
+        victim.log.info("connection_evicted", idle_s=round(time.monotonic() - since, 1),
+                        limit=key, for_peer=newcomer)
+        victim.evict()
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.connection_evicted(self.channel.name)
+        return True
+
+    def _refuse(self, source: str, remote: str, key: str, limit: int) -> None:
+        """Log a refusal once per source per minute, with the count of those not logged."""
+        self._count_refusal("busy" if key == "max_connections" else "source_busy")
+        now = time.monotonic()
+        last = self._refusals.get(source)
+        if last is not None and now - last[0] < REFUSAL_LOG_INTERVAL:
+            self._refusals[source] = (last[0], last[1] + 1)
+            return
+        if len(self._refusals) >= 4096:  # many sources (a scan): forget those logged long ago
+            self._refusals = {k: v for k, v in self._refusals.items()
+                              if now - v[0] < REFUSAL_LOG_INTERVAL}
+            if len(self._refusals) >= 4096:
+                self._refusals.clear()  # memory first; at worst a few more log lines
+        self._refusals[source] = (now, 0)
+        self.log.warning("connection_refused_limit", peer=remote, limit=key, value=limit,
+                         open=len(self.connections), not_logged=last[1] if last else 0)
+
+    def _count_refusal(self, reason: str) -> None:
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.connection_refused(self.channel.name, reason)
 
     async def adopt(self, sock: socket.socket, remote: str, buffered: bytes) -> bool:
         """Serve a connection a predecessor handed over mid-stream (SPEC 7 upgrade)."""
@@ -185,10 +264,14 @@ class ChannelListener:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.connections.add(conn)
         self._no_connections.clear()
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.connection_opened(self.channel.name)
         try:
             await conn.serve()
         finally:
             self.connections.discard(conn)
+            if self.ctx.metrics is not None:
+                self.ctx.metrics.connection_closed(self.channel.name)
             if not self.connections:
                 self._no_connections.set()
 
@@ -215,6 +298,8 @@ class Connection:
         self.reader = reader
         self.writer = writer
         self.remote = remote
+        #: The sender's address, the key of max_connections_per_source.
+        self.source = source_address(writer.get_extra_info("peername"))
         self.conn_id = next(_connection_ids)
         self.decoder = mllp.MllpDecoder(self.channel.max_message_bytes)
         # Unbounded so the end-of-stream sentinel can always be put, even when
@@ -233,6 +318,12 @@ class Connection:
         self.closed = False
         self.junk_logged = False
         self.relay_tasks: set[asyncio.Task[None]] = set()
+        #: Closed to admit a newcomer (it was the longest idle).
+        self.evicted = False
+        #: When a frame last completed or an ACK was written: what "idle" is measured from.
+        self.last_activity = time.monotonic()
+        #: Seconds of frame_timeout left to the frame in progress (None between frames).
+        self.frame_time_left: float | None = None
         self.log = log.bind(channel=self.channel.name, peer=remote, conn=self.conn_id)
 
     # -- lifecycle -----------------------------------------------------------
@@ -243,6 +334,22 @@ class Connection:
     def abort(self) -> None:
         self.closed = True
         self.writer.transport.abort()
+
+    def idle_since(self) -> float | None:
+        """When this connection last did something, if it is idle now (no partial frame, no ACK owed)."""
+        if self.closed or self.evicted or self.closing.is_set() or self.initial:
+            return None
+        if self.decoder.mid_frame or self._owes_ack():
+            return None
+        if self.writer.transport.get_write_buffer_size():
+            return None  # an ACK the sender has not read yet
+        return self.last_activity
+
+    def evict(self) -> None:
+        """Close this idle connection to admit a newcomer: nothing is owed, nothing to hand over."""
+        self.evicted = True
+        self.closed = True
+        self.closing.set()
 
     async def serve(self) -> None:
         self.log.info("connection_opened")
@@ -339,27 +446,59 @@ class Connection:
             self.log.info("bytes_after_close_discarded", count=discarded)
 
     async def _read_chunk(self) -> bytes:
-        """The next bytes, or b"" at EOF, on idle timeout, or when asked to close while idle."""
+        """The next bytes, or b"" at EOF, on a timeout, or when asked to close while idle."""
         read = asyncio.ensure_future(self.reader.read(READ_CHUNK))
         closing = asyncio.ensure_future(self.closing.wait())
-        idle = self.channel.idle_timeout or None
         try:
-            done, _ = await asyncio.wait(
-                {read, closing}, timeout=idle, return_when=asyncio.FIRST_COMPLETED
-            )
-            if read in done:
-                return self._note_eof(read.result())
-            if not done:
-                self.log.info("connection_idle_timeout", idle_timeout=idle)
+            waiting = {read, closing}
+            while True:
+                timeout, kind = self._read_timeout()
+                started = time.monotonic()
+                done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if self.frame_time_left is not None:
+                    self.frame_time_left -= time.monotonic() - started
+                if read in done:
+                    return self._note_eof(read.result())
+                if closing in done:
+                    # Asked to close: finish a frame that is being read, else stop now.
+                    if self._stop_reading():
+                        return b""
+                    waiting = {read}
+                    continue
+                if kind == "idle" and self._owes_ack():
+                    continue  # idle counts only once nothing is owed
+                self._timed_out(kind)
                 return b""
-            # Asked to close: finish a frame that is being read, else stop now.
-            if self._stop_reading():
-                return b""
-            return self._note_eof(await read)
         finally:
             for fut in (read, closing):
                 if not fut.done():
                     fut.cancel()
+
+    def _read_timeout(self) -> tuple[float | None, str]:
+        """How long the next read may wait, and which timeout ends it."""
+        if self.decoder.mid_frame and self.frame_time_left is not None:
+            return max(self.frame_time_left, 0.0), "frame"
+        idle = self.channel.idle_timeout
+        if not idle:
+            return None, ""
+        if self._owes_ack():
+            return idle, "idle"  # look again later; the clock restarts with the ACK write
+        return max(self.last_activity + idle - time.monotonic(), 0.0), "idle"
+
+    def _owes_ack(self) -> bool:
+        return bool(self.pending_frames or self.relay_tasks or self.write_lock.locked())
+
+    def _timed_out(self, kind: str) -> None:
+        if kind == "frame":
+            # Slowloris: a started frame that does not complete would hold the
+            # connection (and its buffer) for good. Nothing of it was committed;
+            # ACKs owed for earlier frames are still written before the close.
+            self.log.warning("connection_frame_timeout", frame_timeout=self.channel.frame_timeout,
+                             buffered=self.decoder.buffered_bytes())
+        else:
+            self.log.info("connection_idle_timeout", idle_timeout=self.channel.idle_timeout)
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.connection_timed_out(self.channel.name, kind)
 
     def _note_eof(self, data: bytes) -> bytes:
         if not data:
@@ -402,7 +541,9 @@ class Connection:
                 if self.decoder.mid_frame:
                     self.log.warning("connection_closed_mid_frame", buffered=self.decoder.buffered_bytes())
                 return
+            was_mid_frame = self.decoder.mid_frame
             events = self.decoder.feed(data)
+            self._time_frame(was_mid_frame, events)
             for index, event in enumerate(events):
                 if self.closed:
                     return  # aborted: frames still buffered are not handled (no ACK could go out)
@@ -414,6 +555,8 @@ class Connection:
                             self.unhandled += mllp.encode_frame(rest.payload)
                     return
                 received_at = time.time()
+                if not isinstance(event, mllp.JunkSkipped):
+                    self.last_activity = time.monotonic()
                 if isinstance(event, mllp.Frame):
                     self.frames_completed += 1
                     await self._enqueue(functools.partial(self._handle_frame, event.payload, received_at))
@@ -423,6 +566,19 @@ class Connection:
                 elif not self.junk_logged:
                     self.junk_logged = True
                     self.log.warning("bytes_outside_frame_skipped", count=event.count)
+
+    def _time_frame(self, was_mid_frame: bool, events: list[mllp.Event]) -> None:
+        """Start frame_timeout's clock when a frame begins; stop it between frames.
+
+        A frame the sender restarts (a new start block inside it) keeps the
+        clock of the first: restarting must not be a way around the timeout.
+        """
+        if not self.decoder.mid_frame:
+            self.frame_time_left = None
+        elif not was_mid_frame or self.frame_time_left is None or any(
+            not isinstance(e, mllp.JunkSkipped) for e in events
+        ):
+            self.frame_time_left = self.channel.frame_timeout
 
     async def _enqueue(self, handle: Callable[[], Coroutine[Any, Any, Reply]]) -> None:
         """Start handling a frame once a pipelining slot is free; its ACK is written in arrival order."""
@@ -470,6 +626,7 @@ class Connection:
             except (ConnectionError, OSError) as exc:
                 self.log.info("ack_write_failed", error=str(exc))
                 return False
+        self.last_activity = time.monotonic()
         return not self.peer_gone.is_set()
 
     # -- outcome bookkeeping -------------------------------------------------
