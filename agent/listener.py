@@ -42,8 +42,26 @@ _connection_ids = count(1)
 #: Frames of one connection handled ahead of their ACK write (pipelining bound).
 MAX_PIPELINED_FRAMES = 32
 READ_CHUNK = 256 * 1024
+#: Bytes framed per read: one decoder pass stays short (tiny frames are many
+#: events), so one connection's flood cannot hold the event loop for long.
+FEED_CHUNK = 16 * 1024
+#: A connection whose last frames were only counted (over the audit-row limit)
+#: waits this long before its next read: handling a junk flood flat out would
+#: keep the event loop, and the GIL, from every other channel and the writer.
+JUNK_READ_PAUSE = 0.01
 #: Matches sockets.bind_listener and the systemd socket unit's Backlog=.
 LISTEN_BACKLOG = 1024
+#: Rejected or unparseable frames kept as audit rows, per connection per window;
+#: beyond it they are counted (a metric, one log line per window), not stored,
+#: so a flood of junk can neither fill the disk nor queue up on the writer.
+AUDIT_ROWS_PER_WINDOW = 100
+AUDIT_WINDOW = 60.0
+#: Audit rows of one connection waiting for the writer; at the bound reading pauses.
+MAX_PENDING_AUDITS = 32
+#: Application ACKs one connection waits for at once (enhanced mode). Beyond it
+#: the ACK is recorded undelivered and replayed on retransmit: memory per
+#: connection stays bounded while the server does not answer.
+MAX_PENDING_RELAYS = 256
 #: A newcomer refused because every connection is busy is logged once per
 #: source per this many seconds (a retrying sender must not flood the log).
 REFUSAL_LOG_INTERVAL = 60.0
@@ -324,6 +342,13 @@ class Connection:
         self.last_activity = time.monotonic()
         #: Seconds of frame_timeout left to the frame in progress (None between frames).
         self.frame_time_left: float | None = None
+        self.audit_jobs: set[asyncio.Future[str]] = set()
+        self._audit_window_start = -AUDIT_WINDOW
+        self._audit_rows_in_window = 0
+        self._audit_unstored = 0
+        self._audit_summary: asyncio.TimerHandle | None = None
+        self._relay_overflow_logged = False
+        self._junk_counted = False
         self.log = log.bind(channel=self.channel.name, peer=remote, conn=self.conn_id)
 
     # -- lifecycle -----------------------------------------------------------
@@ -339,7 +364,7 @@ class Connection:
         """When this connection last did something, if it is idle now (no partial frame, no ACK owed)."""
         if self.closed or self.evicted or self.closing.is_set() or self.initial:
             return None
-        if self.decoder.mid_frame or self._owes_ack():
+        if self.decoder.mid_frame or self._owes_ack() or self.audit_jobs:
             return None
         if self.writer.transport.get_write_buffer_size():
             return None  # an ACK the sender has not read yet
@@ -368,6 +393,7 @@ class Connection:
                 await self._lingering_close()
             for task in list(self.relay_tasks):
                 task.cancel()
+            self._log_unstored_audits()
             self.closed = True
             self.writer.close()
             with contextlib.suppress(Exception):
@@ -447,7 +473,7 @@ class Connection:
 
     async def _read_chunk(self) -> bytes:
         """The next bytes, or b"" at EOF, on a timeout, or when asked to close while idle."""
-        read = asyncio.ensure_future(self.reader.read(READ_CHUNK))
+        read = asyncio.ensure_future(self.reader.read(FEED_CHUNK))
         closing = asyncio.ensure_future(self.closing.wait())
         try:
             waiting = {read, closing}
@@ -536,6 +562,9 @@ class Connection:
                 if self.decoder.mid_frame and not self.closed:
                     self.log.info("frame_after_close_dropped", buffered=self.decoder.buffered_bytes())
                 return
+            if self._junk_counted:  # a flood of junk: slow this sender down, not the others
+                self._junk_counted = False
+                await asyncio.sleep(JUNK_READ_PAUSE)
             data, self.initial = (self.initial, b"") if self.initial else (await self._read_chunk(), b"")
             if not data:
                 if self.decoder.mid_frame:
@@ -581,7 +610,13 @@ class Connection:
             self.frame_time_left = self.channel.frame_timeout
 
     async def _enqueue(self, handle: Callable[[], Coroutine[Any, Any, Reply]]) -> None:
-        """Start handling a frame once a pipelining slot is free; its ACK is written in arrival order."""
+        """Start handling a frame once a pipelining slot is free; its ACK is written in arrival order.
+
+        Audit rows are written without holding a slot, so they have their own
+        bound: reading pauses while this connection has too many queued.
+        """
+        while len(self.audit_jobs) >= MAX_PENDING_AUDITS:
+            await asyncio.wait(set(self.audit_jobs), return_when=asyncio.FIRST_COMPLETED)
         await self.slots.acquire()
         self.pending_frames += 1
         self.replies.put_nowait(asyncio.create_task(handle()))
@@ -605,6 +640,9 @@ class Connection:
                     on_written(ok)
             if reply.relay_for is not None:
                 message_id, env = reply.relay_for
+                if len(self.relay_tasks) >= MAX_PENDING_RELAYS:
+                    self._relay_overflow(message_id)
+                    continue
                 task_ = asyncio.create_task(self._relay_application_ack(message_id, env))
                 self.relay_tasks.add(task_)
                 task_.add_done_callback(self.relay_tasks.discard)
@@ -629,6 +667,13 @@ class Connection:
         self.last_activity = time.monotonic()
         return not self.peer_gone.is_set()
 
+    def _relay_overflow(self, message_id: str) -> None:
+        """Too many application ACKs awaited on this connection: this one is replayed on retransmit."""
+        self._record_outcome(message_id)(False)
+        if not self._relay_overflow_logged:
+            self._relay_overflow_logged = True
+            self.log.warning("application_acks_not_awaited", limit=MAX_PENDING_RELAYS, id=message_id)
+
     # -- outcome bookkeeping -------------------------------------------------
 
     def _set_outcome(self, message_id: str, outcome: str) -> None:
@@ -641,11 +686,59 @@ class Connection:
 
         return record
 
-    def _audit(self, item: AuditItem) -> None:
-        future = self.ctx.writer.submit(lambda s: s.record_audit(item))
-        future.add_done_callback(
-            lambda f: f.exception() and self.log.warning("audit_row_failed", error=str(f.exception()))
-        )
+    def _audit(self, item: AuditItem, *, limited: bool = True) -> bool:
+        """Keep a ``nacked`` audit row; False when it was only counted (over the limit).
+
+        ``limited``: rejected and unparseable frames count against the
+        per-connection limit per minute; inbound ACKs (one per ACK we relayed)
+        do not, but every audit row goes through the per-connection queue bound.
+        """
+        if limited and not self._audit_allowed():
+            return False
+        future = asyncio.wrap_future(self.ctx.writer.submit(lambda s: s.record_audit(item)))
+        self.audit_jobs.add(future)
+        future.add_done_callback(self._audit_done)
+        return True
+
+    def _audit_done(self, future: asyncio.Future[str]) -> None:
+        self.audit_jobs.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            self.log.warning("audit_row_failed", error=str(future.exception()))
+
+    def _audit_quota_left(self) -> bool:
+        """Whether the next rejected frame would still be stored (and so logged) in this window."""
+        return (time.monotonic() - self._audit_window_start >= AUDIT_WINDOW
+                or self._audit_rows_in_window < AUDIT_ROWS_PER_WINDOW)
+
+    def _audit_allowed(self) -> bool:
+        """Take one audit row of this window's quota; else count the frame (metric, summary line)."""
+        now = time.monotonic()
+        if now - self._audit_window_start >= AUDIT_WINDOW:
+            self._log_unstored_audits()
+            self._audit_window_start = now
+            self._audit_rows_in_window = 0
+        if self._audit_rows_in_window < AUDIT_ROWS_PER_WINDOW:
+            self._audit_rows_in_window += 1
+            return True
+        self._audit_unstored += 1
+        self._junk_counted = True
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.audit_row_not_stored(self.channel.name)
+        if self._audit_summary is None:
+            # One line at the end of the window, not one per frame.
+            self._audit_summary = asyncio.get_running_loop().call_later(
+                max(self._audit_window_start + AUDIT_WINDOW - now, 0.0), self._log_unstored_audits
+            )
+        return False
+
+    def _log_unstored_audits(self) -> None:
+        if self._audit_summary is not None:
+            self._audit_summary.cancel()
+            self._audit_summary = None
+        if self._audit_unstored:
+            self.log.warning("audit_rows_not_stored", count=self._audit_unstored,
+                             limit=AUDIT_ROWS_PER_WINDOW, window_s=AUDIT_WINDOW)
+            self._audit_unstored = 0
 
     def _rejected(self, code: AckCode) -> None:
         if self.ctx.metrics is not None:
@@ -654,7 +747,8 @@ class Connection:
     # -- frames --------------------------------------------------------------
 
     async def _handle_oversize(self, event: mllp.OversizeFrame, received_at: float) -> Reply:
-        self.log.warning("frame_too_large", size=event.size, limit=self.channel.max_message_bytes)
+        if self._audit_quota_left():  # junk log lines are limited like its audit rows
+            self.log.warning("frame_too_large", size=event.size, limit=self.channel.max_message_bytes)
         text = f"message of {event.size} bytes exceeds max_message_bytes {self.channel.max_message_bytes}"
         try:
             env: Envelope | None = envelope.read_msh(event.prefix)
@@ -696,8 +790,9 @@ class Connection:
                 inbound_control_id=envelope.scrape_control_id(body) if env is None else "",
             )
             self._rejected(code)
+        stored = False
         if audit:
-            self._audit(
+            stored = self._audit(
                 AuditItem(
                     self.channel.name, self.remote, body, str(error_code), text,
                     sending_app=env.sending_app if env else "",
@@ -707,11 +802,12 @@ class Connection:
                     ack_sent=ack, received_at=received_at,
                 )
             )
-        self.log.info(
-            "message_rejected", code=str(code), error_code=error_code, reason=text,
-            control_id=env.control_id if env else None,
-            message_type=env.message_type if env else None,
-        )
+        if stored or not audit:  # junk log lines are limited like its audit rows
+            self.log.info(
+                "message_rejected", code=str(code), error_code=error_code, reason=text,
+                control_id=env.control_id if env else None,
+                message_type=env.message_type if env else None,
+            )
         return Reply().add(ack)
 
     async def _handle_frame(self, payload: bytes, received_at: float) -> Reply:
@@ -727,8 +823,8 @@ class Connection:
                                     f"{wide.upper()} is not allowed for HL7 over MLLP; send an 8-bit encoding",
                                     received_at)
             # SPEC 4: a frame with no MSH gets no ACK; it is kept as an audit row.
-            self.log.warning("frame_without_msh_dropped", size=len(payload))
-            self._audit(AuditItem(name, self.remote, payload, "100", "no MSH segment", received_at=received_at))
+            if self._audit(AuditItem(name, self.remote, payload, "100", "no MSH segment", received_at=received_at)):
+                self.log.warning("frame_without_msh_dropped", size=len(payload))
             return Reply()
         except MalformedMsh as exc:
             if exc.partial is not None and exc.partial.is_ack:
@@ -745,7 +841,8 @@ class Connection:
                 AuditItem(name, self.remote, payload, "0", "inbound ACK recorded",
                           sending_app=env.sending_app, sending_facility=env.sending_facility,
                           control_id=env.control_id, message_type=env.message_type,
-                          received_at=received_at)
+                          received_at=received_at),
+                limited=False,
             )
             return Reply()
         try:

@@ -216,6 +216,14 @@ class AgentMetrics:
             ["channel", "timeout"],
             registry=r,
         )
+        self._audit_not_stored = Counter(
+            "hl7_agent_audit_rows_not_stored",
+            "Rejected or unparseable frames only counted, not kept as audit rows "
+            "(over the per-connection limit per minute).",
+            ["channel"],
+            registry=r,
+        )
+        self._audit_not_stored_children: dict[str, Counter] = {}
         self._info = Gauge(
             "hl7_agent_info",
             "Constant 1, labelled with this process's version and agent id.",
@@ -274,6 +282,16 @@ class AgentMetrics:
     def connection_timed_out(self, channel: str, timeout: str) -> None:
         """``timeout`` is ``frame`` (frame_timeout) or ``idle`` (idle_timeout)."""
         self._timed_out.labels(channel=channel, timeout=timeout).inc()
+
+    def audit_row_not_stored(self, channel: str) -> None:
+        """A rejected or unparseable frame over the audit-row limit: counted, not stored.
+
+        Called once per frame of a junk flood: the labelled child is looked up once.
+        """
+        child = self._audit_not_stored_children.get(channel)
+        if child is None:
+            child = self._audit_not_stored_children[channel] = self._audit_not_stored.labels(channel=channel)
+        child.inc()
 
     def set_upstream_connected(self, up: bool) -> None:
         self._upstream.set(1 if up else 0)

@@ -18,6 +18,7 @@ from structlog.testing import capture_logs
 
 from agent import mllp
 from agent.config import AdminSettings, AgentSettings, ChannelSettings, QueueSettings, Settings
+from agent.listener import AUDIT_ROWS_PER_WINDOW, MAX_PENDING_RELAYS
 from agent.service import Agent
 
 
@@ -312,3 +313,83 @@ class TestTimeouts:
         with capture_logs() as logs:
             run_agent(tmp_path, scenario, idle_timeout=1)
         assert len(log_events(logs, "connection_idle_timeout")) == 1
+
+
+class TestAuditBound:
+    def test_junk_beyond_the_limit_is_counted_not_stored_or_logged(self, tmp_path: Path) -> None:
+        """Past 100 audit rows per connection per minute, frames without MSH are counted in a metric and one summary line; the sender is still served."""
+        frames = AUDIT_ROWS_PER_WINDOW + 150
+
+        async def scenario(agent: Agent, port: int) -> None:
+            sender = await Sender.open(port)
+            try:
+                await sender.send(b"".join(mllp.encode_frame(b"J%d" % n) for n in range(frames)), raw=True)
+                assert msa2(await sender.exchange(hl7_message("AFTER-JUNK"))) == "AFTER-JUNK"
+                await until(lambda: counter(agent, "hl7_agent_audit_rows_not_stored_total") == 150,
+                            what="150 frames counted")
+            finally:
+                sender.close()
+
+        with capture_logs() as logs:
+            run_agent(tmp_path, scenario)
+        nacked = db_rows(tmp_path / "data" / "queue.db", "SELECT count(*) FROM messages WHERE state = 'nacked'")
+        assert nacked == [(AUDIT_ROWS_PER_WINDOW,)]
+        assert len(log_events(logs, "frame_without_msh_dropped")) == AUDIT_ROWS_PER_WINDOW
+        summary = log_events(logs, "audit_rows_not_stored")
+        assert [e["count"] for e in summary] == [150]
+
+    def test_rejects_over_the_limit_still_get_their_ack(self, tmp_path: Path) -> None:
+        """A malformed MSH over the audit limit is answered AE all the same; only its row and log line are spared."""
+        frames = AUDIT_ROWS_PER_WINDOW + 20
+        bad = b"MSH|^~\\&|LAB|NORTH|EHR|CENTRAL|20260101120000||ADT^A01|BAD%d|P|\r"  # MSH-12 missing
+
+        async def scenario(agent: Agent, port: int) -> None:
+            sender = await Sender.open(port)
+            try:
+                await sender.send(b"".join(mllp.encode_frame(bad % n) for n in range(frames)), raw=True)
+                answers = [await sender.read_ack() for _ in range(frames)]
+                assert [msa2(a) for a in answers] == [f"BAD{n}" for n in range(frames)]
+                assert {ack_code(a) for a in answers} == {"AE"}
+            finally:
+                sender.close()
+
+        with capture_logs() as logs:
+            run_agent(tmp_path, scenario)
+        nacked = db_rows(tmp_path / "data" / "queue.db", "SELECT count(*) FROM messages WHERE state = 'nacked'")
+        assert nacked == [(AUDIT_ROWS_PER_WINDOW,)]
+        assert len(log_events(logs, "message_rejected")) == AUDIT_ROWS_PER_WINDOW
+
+
+class TestRelayBound:
+    def test_application_acks_awaited_per_connection_are_bounded(self, tmp_path: Path) -> None:
+        """Enhanced mode with no server answering: past the bound, further application ACKs are recorded undelivered (replayed on retransmit) instead of awaited."""
+        extra = 3
+
+        async def scenario(agent: Agent, port: int) -> None:
+            sender = await Sender.open(port)
+            try:
+                for n in range(MAX_PENDING_RELAYS + extra):
+                    await sender.send(hl7_message(f"ENH-{n}", msh15="AL", msh16="AL"))
+                for _ in range(MAX_PENDING_RELAYS + extra):
+                    assert ack_code(await sender.read_ack()) == "CA"
+                conn = next(iter(agent.listeners[0].connections))
+                await until(lambda: len(conn.relay_tasks) == MAX_PENDING_RELAYS, what="relays bounded")
+                await until(lambda: len(db_rows(tmp_path / "data" / "queue.db",
+                                                "SELECT 1 FROM messages WHERE ack_outcome = 'undelivered'")) == extra,
+                            what="overflow recorded undelivered")
+            finally:
+                sender.close()
+
+        with capture_logs() as logs:
+            run_agent(tmp_path, scenario)
+        assert len(log_events(logs, "application_acks_not_awaited")) == 1
+
+
+def counter(agent: Agent, name: str) -> float:
+    """A sample of the agent's own /metrics registry (summed over labels)."""
+    total = 0.0
+    for family in agent.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == name:
+                total += sample.value
+    return total
