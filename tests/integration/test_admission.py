@@ -1,4 +1,4 @@
-"""Admission and per-connection bounds: idle connections never lock a channel out (SPEC 4).
+"""Admission and per-connection bounds: idle connections never lock a channel out.
 
 The daemon runs in process on port 0 (real sockets on 127.0.0.0/8, a real
 SQLite file); senders are asyncio connections of the test. Several sender

@@ -1,4 +1,4 @@
-"""Hostile and broken senders against the daemon as a subprocess: bounded memory, no lock-out (SPEC 4).
+"""Hostile and broken senders against the daemon as a subprocess: bounded memory, no lock-out.
 
 - A garbage flood (megabytes of 5-byte frames without MSH) on one channel
   must not stall a good sender on another: audit rows stop at the limit, the
