@@ -400,6 +400,13 @@ class ChannelSettings(_Section):
     allowed_sources: list[str] = Field(default_factory=list)
     max_connections: int = Field(default=64, ge=1)
     idle_timeout: Duration = 0.0  # 0 = never close an idle connection
+    # One sender address holds at most this many of the channel's connections
+    # (16: a quarter of the default channel, far above the 1-4 an interface
+    # engine opens), so one host's busy connections cannot fill a channel.
+    max_connections_per_source: int = Field(default=16, ge=1)
+    # A started frame must complete within this (slowloris). 60 s carries a
+    # 1 MiB message over a ~150 kbit/s link; never 0: the guard cannot be off.
+    frame_timeout: PositiveDuration = 60.0
     # What the channel accepts (SPEC 4: AR/CR with ERR-3 200-203 otherwise);
     # empty = anything. "ADT" allows every ADT event, "ADT^A01" only that one.
     accept_message_types: list[str] = Field(default_factory=list)

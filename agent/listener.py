@@ -42,8 +42,29 @@ _connection_ids = count(1)
 #: Frames of one connection handled ahead of their ACK write (pipelining bound).
 MAX_PIPELINED_FRAMES = 32
 READ_CHUNK = 256 * 1024
+#: Bytes framed per read: one decoder pass stays short (tiny frames are many
+#: events), so one connection's flood cannot hold the event loop for long.
+FEED_CHUNK = 16 * 1024
+#: A connection whose last frames were only counted (over the audit-row limit)
+#: waits this long before its next read: handling a junk flood flat out would
+#: keep the event loop, and the GIL, from every other channel and the writer.
+JUNK_READ_PAUSE = 0.01
 #: Matches sockets.bind_listener and the systemd socket unit's Backlog=.
 LISTEN_BACKLOG = 1024
+#: Rejected or unparseable frames kept as audit rows, per connection per window;
+#: beyond it they are counted (a metric, one log line per window), not stored,
+#: so a flood of junk can neither fill the disk nor queue up on the writer.
+AUDIT_ROWS_PER_WINDOW = 100
+AUDIT_WINDOW = 60.0
+#: Audit rows of one connection waiting for the writer; at the bound reading pauses.
+MAX_PENDING_AUDITS = 32
+#: Application ACKs one connection waits for at once (enhanced mode). Beyond it
+#: the ACK is recorded undelivered and replayed on retransmit: memory per
+#: connection stays bounded while the server does not answer.
+MAX_PENDING_RELAYS = 256
+#: A newcomer refused because every connection is busy is logged once per
+#: source per this many seconds (a retrying sender must not flood the log).
+REFUSAL_LOG_INTERVAL = 60.0
 
 
 @dataclass
@@ -81,6 +102,19 @@ def format_peer(peer: Any) -> str:
     return str(peer or "unknown")
 
 
+def source_address(peer: Any) -> str:
+    """The sender's address without the port (IPv4-mapped IPv6 as IPv4): the per-source key."""
+    if not isinstance(peer, tuple) or not peer:
+        return str(peer or "unknown")
+    try:
+        address = ipaddress.ip_address(peer[0])
+    except (TypeError, ValueError):
+        return str(peer[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address)
+
+
 def build_server_ssl(channel: ChannelSettings) -> ssl.SSLContext | None:
     """TLS for a channel: ``tls_cert``/``tls_key``; ``tls_client_ca`` makes client certs required."""
     if channel.tls_cert is None:
@@ -107,6 +141,8 @@ class ChannelListener:
         self._no_connections.set()
         self._server: asyncio.Server | None = None
         self._allowed = [ipaddress.ip_network(c, strict=False) for c in channel.allowed_sources]
+        #: source -> (when a refusal was last logged, refusals since then)
+        self._refusals: dict[str, tuple[float, int]] = {}
         self._ssl = build_server_ssl(channel)
         self.log = log.bind(channel=channel.name)
 
@@ -156,13 +192,74 @@ class ChannelListener:
         remote = format_peer(peer)
         if not self._source_allowed(peer):
             self.log.warning("connection_refused_source", peer=remote)
+            self._count_refusal("source_not_allowed")
             writer.close()
             return
-        if self.channel.max_connections and len(self.connections) >= self.channel.max_connections:
-            self.log.warning("connection_refused_limit", peer=remote, limit=self.channel.max_connections)
+        if not self._admit(source_address(peer), remote):
             writer.close()
             return
+        # No await between admission and _serve adding the connection: the count stays exact.
         await self._serve(Connection(self, reader, writer, remote))
+
+    # -- admission -----------------------------------------------------------
+
+    def _admit(self, source: str, remote: str) -> bool:
+        """Make room for a newcomer, or refuse it when every connection in the way is busy.
+
+        A channel (or one source) at its limit closes its longest-idle
+        connection — no partial frame, no ACK owed — so connections that went
+        silent (a device that rebooted without FIN, a scanner, a health check
+        that never closes) cannot lock senders out. Only when all of them are
+        busy is the newcomer closed at once.
+        """
+        limits = (
+            ("max_connections_per_source", min(self.channel.max_connections_per_source,
+                                               self.channel.max_connections), source),
+            ("max_connections", self.channel.max_connections, None),
+        )
+        for key, limit, only_source in limits:
+            while True:
+                open_now = [c for c in self.connections if not c.evicted
+                            and (only_source is None or c.source == only_source)]
+                if len(open_now) < limit:
+                    break
+                if not self._evict_longest_idle(open_now, remote, key):
+                    self._refuse(source, remote, key, limit)
+                    return False
+        return True
+
+    def _evict_longest_idle(self, candidates: list[Connection], newcomer: str, key: str) -> bool:
+        idle = [(since, conn) for conn in candidates if (since := conn.idle_since()) is not None]
+        if not idle:
+            return False
+        since, victim = min(idle, key=lambda pair: pair[0])
+        victim.log.info("connection_evicted", idle_s=round(time.monotonic() - since, 1),
+                        limit=key, for_peer=newcomer)
+        victim.evict()
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.connection_evicted(self.channel.name)
+        return True
+
+    def _refuse(self, source: str, remote: str, key: str, limit: int) -> None:
+        """Log a refusal once per source per minute, with the count of those not logged."""
+        self._count_refusal("busy" if key == "max_connections" else "source_busy")
+        now = time.monotonic()
+        last = self._refusals.get(source)
+        if last is not None and now - last[0] < REFUSAL_LOG_INTERVAL:
+            self._refusals[source] = (last[0], last[1] + 1)
+            return
+        if len(self._refusals) >= 4096:  # many sources (a scan): forget those logged long ago
+            self._refusals = {k: v for k, v in self._refusals.items()
+                              if now - v[0] < REFUSAL_LOG_INTERVAL}
+            if len(self._refusals) >= 4096:
+                self._refusals.clear()  # memory first; at worst a few more log lines
+        self._refusals[source] = (now, 0)
+        self.log.warning("connection_refused_limit", peer=remote, limit=key, value=limit,
+                         open=len(self.connections), not_logged=last[1] if last else 0)
+
+    def _count_refusal(self, reason: str) -> None:
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.connection_refused(self.channel.name, reason)
 
     async def adopt(self, sock: socket.socket, remote: str, buffered: bytes) -> bool:
         """Serve a connection a predecessor handed over mid-stream (SPEC 7 upgrade)."""
@@ -185,10 +282,14 @@ class ChannelListener:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.connections.add(conn)
         self._no_connections.clear()
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.connection_opened(self.channel.name)
         try:
             await conn.serve()
         finally:
             self.connections.discard(conn)
+            if self.ctx.metrics is not None:
+                self.ctx.metrics.connection_closed(self.channel.name)
             if not self.connections:
                 self._no_connections.set()
 
@@ -215,6 +316,8 @@ class Connection:
         self.reader = reader
         self.writer = writer
         self.remote = remote
+        #: The sender's address, the key of max_connections_per_source.
+        self.source = source_address(writer.get_extra_info("peername"))
         self.conn_id = next(_connection_ids)
         self.decoder = mllp.MllpDecoder(self.channel.max_message_bytes)
         # Unbounded so the end-of-stream sentinel can always be put, even when
@@ -233,6 +336,19 @@ class Connection:
         self.closed = False
         self.junk_logged = False
         self.relay_tasks: set[asyncio.Task[None]] = set()
+        #: Closed to admit a newcomer (it was the longest idle).
+        self.evicted = False
+        #: When a frame last completed or an ACK was written: what "idle" is measured from.
+        self.last_activity = time.monotonic()
+        #: Seconds of frame_timeout left to the frame in progress (None between frames).
+        self.frame_time_left: float | None = None
+        self.audit_jobs: set[asyncio.Future[str]] = set()
+        self._audit_window_start = -AUDIT_WINDOW
+        self._audit_rows_in_window = 0
+        self._audit_unstored = 0
+        self._audit_summary: asyncio.TimerHandle | None = None
+        self._relay_overflow_logged = False
+        self._junk_counted = False
         self.log = log.bind(channel=self.channel.name, peer=remote, conn=self.conn_id)
 
     # -- lifecycle -----------------------------------------------------------
@@ -243,6 +359,22 @@ class Connection:
     def abort(self) -> None:
         self.closed = True
         self.writer.transport.abort()
+
+    def idle_since(self) -> float | None:
+        """When this connection last did something, if it is idle now (no partial frame, no ACK owed)."""
+        if self.closed or self.evicted or self.closing.is_set() or self.initial:
+            return None
+        if self.decoder.mid_frame or self._owes_ack() or self.audit_jobs:
+            return None
+        if self.writer.transport.get_write_buffer_size():
+            return None  # an ACK the sender has not read yet
+        return self.last_activity
+
+    def evict(self) -> None:
+        """Close this idle connection to admit a newcomer: nothing is owed, nothing to hand over."""
+        self.evicted = True
+        self.closed = True
+        self.closing.set()
 
     async def serve(self) -> None:
         self.log.info("connection_opened")
@@ -261,6 +393,7 @@ class Connection:
                 await self._lingering_close()
             for task in list(self.relay_tasks):
                 task.cancel()
+            self._log_unstored_audits()
             self.closed = True
             self.writer.close()
             with contextlib.suppress(Exception):
@@ -339,27 +472,59 @@ class Connection:
             self.log.info("bytes_after_close_discarded", count=discarded)
 
     async def _read_chunk(self) -> bytes:
-        """The next bytes, or b"" at EOF, on idle timeout, or when asked to close while idle."""
-        read = asyncio.ensure_future(self.reader.read(READ_CHUNK))
+        """The next bytes, or b"" at EOF, on a timeout, or when asked to close while idle."""
+        read = asyncio.ensure_future(self.reader.read(FEED_CHUNK))
         closing = asyncio.ensure_future(self.closing.wait())
-        idle = self.channel.idle_timeout or None
         try:
-            done, _ = await asyncio.wait(
-                {read, closing}, timeout=idle, return_when=asyncio.FIRST_COMPLETED
-            )
-            if read in done:
-                return self._note_eof(read.result())
-            if not done:
-                self.log.info("connection_idle_timeout", idle_timeout=idle)
+            waiting = {read, closing}
+            while True:
+                timeout, kind = self._read_timeout()
+                started = time.monotonic()
+                done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if self.frame_time_left is not None:
+                    self.frame_time_left -= time.monotonic() - started
+                if read in done:
+                    return self._note_eof(read.result())
+                if closing in done:
+                    # Asked to close: finish a frame that is being read, else stop now.
+                    if self._stop_reading():
+                        return b""
+                    waiting = {read}
+                    continue
+                if kind == "idle" and self._owes_ack():
+                    continue  # idle counts only once nothing is owed
+                self._timed_out(kind)
                 return b""
-            # Asked to close: finish a frame that is being read, else stop now.
-            if self._stop_reading():
-                return b""
-            return self._note_eof(await read)
         finally:
             for fut in (read, closing):
                 if not fut.done():
                     fut.cancel()
+
+    def _read_timeout(self) -> tuple[float | None, str]:
+        """How long the next read may wait, and which timeout ends it."""
+        if self.decoder.mid_frame and self.frame_time_left is not None:
+            return max(self.frame_time_left, 0.0), "frame"
+        idle = self.channel.idle_timeout
+        if not idle:
+            return None, ""
+        if self._owes_ack():
+            return idle, "idle"  # look again later; the clock restarts with the ACK write
+        return max(self.last_activity + idle - time.monotonic(), 0.0), "idle"
+
+    def _owes_ack(self) -> bool:
+        return bool(self.pending_frames or self.relay_tasks or self.write_lock.locked())
+
+    def _timed_out(self, kind: str) -> None:
+        if kind == "frame":
+            # Slowloris: a started frame that does not complete would hold the
+            # connection (and its buffer) for good. Nothing of it was committed;
+            # ACKs owed for earlier frames are still written before the close.
+            self.log.warning("connection_frame_timeout", frame_timeout=self.channel.frame_timeout,
+                             buffered=self.decoder.buffered_bytes())
+        else:
+            self.log.info("connection_idle_timeout", idle_timeout=self.channel.idle_timeout)
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.connection_timed_out(self.channel.name, kind)
 
     def _note_eof(self, data: bytes) -> bytes:
         if not data:
@@ -397,12 +562,17 @@ class Connection:
                 if self.decoder.mid_frame and not self.closed:
                     self.log.info("frame_after_close_dropped", buffered=self.decoder.buffered_bytes())
                 return
+            if self._junk_counted:  # a flood of junk: slow this sender down, not the others
+                self._junk_counted = False
+                await asyncio.sleep(JUNK_READ_PAUSE)
             data, self.initial = (self.initial, b"") if self.initial else (await self._read_chunk(), b"")
             if not data:
                 if self.decoder.mid_frame:
                     self.log.warning("connection_closed_mid_frame", buffered=self.decoder.buffered_bytes())
                 return
+            was_mid_frame = self.decoder.mid_frame
             events = self.decoder.feed(data)
+            self._time_frame(was_mid_frame, events)
             for index, event in enumerate(events):
                 if self.closed:
                     return  # aborted: frames still buffered are not handled (no ACK could go out)
@@ -414,6 +584,8 @@ class Connection:
                             self.unhandled += mllp.encode_frame(rest.payload)
                     return
                 received_at = time.time()
+                if not isinstance(event, mllp.JunkSkipped):
+                    self.last_activity = time.monotonic()
                 if isinstance(event, mllp.Frame):
                     self.frames_completed += 1
                     await self._enqueue(functools.partial(self._handle_frame, event.payload, received_at))
@@ -424,8 +596,27 @@ class Connection:
                     self.junk_logged = True
                     self.log.warning("bytes_outside_frame_skipped", count=event.count)
 
+    def _time_frame(self, was_mid_frame: bool, events: list[mllp.Event]) -> None:
+        """Start frame_timeout's clock when a frame begins; stop it between frames.
+
+        A frame the sender restarts (a new start block inside it) keeps the
+        clock of the first: restarting must not be a way around the timeout.
+        """
+        if not self.decoder.mid_frame:
+            self.frame_time_left = None
+        elif not was_mid_frame or self.frame_time_left is None or any(
+            not isinstance(e, mllp.JunkSkipped) for e in events
+        ):
+            self.frame_time_left = self.channel.frame_timeout
+
     async def _enqueue(self, handle: Callable[[], Coroutine[Any, Any, Reply]]) -> None:
-        """Start handling a frame once a pipelining slot is free; its ACK is written in arrival order."""
+        """Start handling a frame once a pipelining slot is free; its ACK is written in arrival order.
+
+        Audit rows are written without holding a slot, so they have their own
+        bound: reading pauses while this connection has too many queued.
+        """
+        while len(self.audit_jobs) >= MAX_PENDING_AUDITS:
+            await asyncio.wait(set(self.audit_jobs), return_when=asyncio.FIRST_COMPLETED)
         await self.slots.acquire()
         self.pending_frames += 1
         self.replies.put_nowait(asyncio.create_task(handle()))
@@ -449,6 +640,9 @@ class Connection:
                     on_written(ok)
             if reply.relay_for is not None:
                 message_id, env = reply.relay_for
+                if len(self.relay_tasks) >= MAX_PENDING_RELAYS:
+                    self._relay_overflow(message_id)
+                    continue
                 task_ = asyncio.create_task(self._relay_application_ack(message_id, env))
                 self.relay_tasks.add(task_)
                 task_.add_done_callback(self.relay_tasks.discard)
@@ -470,7 +664,15 @@ class Connection:
             except (ConnectionError, OSError) as exc:
                 self.log.info("ack_write_failed", error=str(exc))
                 return False
+        self.last_activity = time.monotonic()
         return not self.peer_gone.is_set()
+
+    def _relay_overflow(self, message_id: str) -> None:
+        """Too many application ACKs awaited on this connection: this one is replayed on retransmit."""
+        self._record_outcome(message_id)(False)
+        if not self._relay_overflow_logged:
+            self._relay_overflow_logged = True
+            self.log.warning("application_acks_not_awaited", limit=MAX_PENDING_RELAYS, id=message_id)
 
     # -- outcome bookkeeping -------------------------------------------------
 
@@ -484,11 +686,59 @@ class Connection:
 
         return record
 
-    def _audit(self, item: AuditItem) -> None:
-        future = self.ctx.writer.submit(lambda s: s.record_audit(item))
-        future.add_done_callback(
-            lambda f: f.exception() and self.log.warning("audit_row_failed", error=str(f.exception()))
-        )
+    def _audit(self, item: AuditItem, *, limited: bool = True) -> bool:
+        """Keep a ``nacked`` audit row; False when it was only counted (over the limit).
+
+        ``limited``: rejected and unparseable frames count against the
+        per-connection limit per minute; inbound ACKs (one per ACK we relayed)
+        do not, but every audit row goes through the per-connection queue bound.
+        """
+        if limited and not self._audit_allowed():
+            return False
+        future = asyncio.wrap_future(self.ctx.writer.submit(lambda s: s.record_audit(item)))
+        self.audit_jobs.add(future)
+        future.add_done_callback(self._audit_done)
+        return True
+
+    def _audit_done(self, future: asyncio.Future[str]) -> None:
+        self.audit_jobs.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            self.log.warning("audit_row_failed", error=str(future.exception()))
+
+    def _audit_quota_left(self) -> bool:
+        """Whether the next rejected frame would still be stored (and so logged) in this window."""
+        return (time.monotonic() - self._audit_window_start >= AUDIT_WINDOW
+                or self._audit_rows_in_window < AUDIT_ROWS_PER_WINDOW)
+
+    def _audit_allowed(self) -> bool:
+        """Take one audit row of this window's quota; else count the frame (metric, summary line)."""
+        now = time.monotonic()
+        if now - self._audit_window_start >= AUDIT_WINDOW:
+            self._log_unstored_audits()
+            self._audit_window_start = now
+            self._audit_rows_in_window = 0
+        if self._audit_rows_in_window < AUDIT_ROWS_PER_WINDOW:
+            self._audit_rows_in_window += 1
+            return True
+        self._audit_unstored += 1
+        self._junk_counted = True
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.audit_row_not_stored(self.channel.name)
+        if self._audit_summary is None:
+            # One line at the end of the window, not one per frame.
+            self._audit_summary = asyncio.get_running_loop().call_later(
+                max(self._audit_window_start + AUDIT_WINDOW - now, 0.0), self._log_unstored_audits
+            )
+        return False
+
+    def _log_unstored_audits(self) -> None:
+        if self._audit_summary is not None:
+            self._audit_summary.cancel()
+            self._audit_summary = None
+        if self._audit_unstored:
+            self.log.warning("audit_rows_not_stored", count=self._audit_unstored,
+                             limit=AUDIT_ROWS_PER_WINDOW, window_s=AUDIT_WINDOW)
+            self._audit_unstored = 0
 
     def _rejected(self, code: AckCode) -> None:
         if self.ctx.metrics is not None:
@@ -497,7 +747,8 @@ class Connection:
     # -- frames --------------------------------------------------------------
 
     async def _handle_oversize(self, event: mllp.OversizeFrame, received_at: float) -> Reply:
-        self.log.warning("frame_too_large", size=event.size, limit=self.channel.max_message_bytes)
+        if self._audit_quota_left():  # junk log lines are limited like its audit rows
+            self.log.warning("frame_too_large", size=event.size, limit=self.channel.max_message_bytes)
         text = f"message of {event.size} bytes exceeds max_message_bytes {self.channel.max_message_bytes}"
         try:
             env: Envelope | None = envelope.read_msh(event.prefix)
@@ -539,8 +790,9 @@ class Connection:
                 inbound_control_id=envelope.scrape_control_id(body) if env is None else "",
             )
             self._rejected(code)
+        stored = False
         if audit:
-            self._audit(
+            stored = self._audit(
                 AuditItem(
                     self.channel.name, self.remote, body, str(error_code), text,
                     sending_app=env.sending_app if env else "",
@@ -550,11 +802,12 @@ class Connection:
                     ack_sent=ack, received_at=received_at,
                 )
             )
-        self.log.info(
-            "message_rejected", code=str(code), error_code=error_code, reason=text,
-            control_id=env.control_id if env else None,
-            message_type=env.message_type if env else None,
-        )
+        if stored or not audit:  # junk log lines are limited like its audit rows
+            self.log.info(
+                "message_rejected", code=str(code), error_code=error_code, reason=text,
+                control_id=env.control_id if env else None,
+                message_type=env.message_type if env else None,
+            )
         return Reply().add(ack)
 
     async def _handle_frame(self, payload: bytes, received_at: float) -> Reply:
@@ -570,8 +823,8 @@ class Connection:
                                     f"{wide.upper()} is not allowed for HL7 over MLLP; send an 8-bit encoding",
                                     received_at)
             # SPEC 4: a frame with no MSH gets no ACK; it is kept as an audit row.
-            self.log.warning("frame_without_msh_dropped", size=len(payload))
-            self._audit(AuditItem(name, self.remote, payload, "100", "no MSH segment", received_at=received_at))
+            if self._audit(AuditItem(name, self.remote, payload, "100", "no MSH segment", received_at=received_at)):
+                self.log.warning("frame_without_msh_dropped", size=len(payload))
             return Reply()
         except MalformedMsh as exc:
             if exc.partial is not None and exc.partial.is_ack:
@@ -588,7 +841,8 @@ class Connection:
                 AuditItem(name, self.remote, payload, "0", "inbound ACK recorded",
                           sending_app=env.sending_app, sending_facility=env.sending_facility,
                           control_id=env.control_id, message_type=env.message_type,
-                          received_at=received_at)
+                          received_at=received_at),
+                limited=False,
             )
             return Reply()
         try:

@@ -211,6 +211,39 @@ class AgentMetrics:
             "1 while this process holds the dispatch lease.",
             registry=r,
         )
+        self._connections = Gauge(
+            "hl7_agent_connections_open",
+            "Sender connections open on each channel.",
+            ["channel"],
+            registry=r,
+        )
+        self._refused = Counter(
+            "hl7_agent_connections_refused",
+            "Connections closed at once: the channel or the source at its limit with every "
+            "connection busy, or a source not allowed.",
+            ["channel", "reason"],
+            registry=r,
+        )
+        self._evicted = Counter(
+            "hl7_agent_connections_evicted",
+            "Idle connections closed to admit a newcomer (channel or source at its limit).",
+            ["channel"],
+            registry=r,
+        )
+        self._timed_out = Counter(
+            "hl7_agent_connections_timed_out",
+            "Connections closed by frame_timeout (a started frame did not complete) or idle_timeout.",
+            ["channel", "timeout"],
+            registry=r,
+        )
+        self._audit_not_stored = Counter(
+            "hl7_agent_audit_rows_not_stored",
+            "Rejected or unparseable frames only counted, not kept as audit rows "
+            "(over the per-connection limit per minute).",
+            ["channel"],
+            registry=r,
+        )
+        self._audit_not_stored_children: dict[str, Counter] = {}
         self._info = Gauge(
             "hl7_agent_info",
             "Constant 1, labelled with this process's version and agent id.",
@@ -252,6 +285,34 @@ class AgentMetrics:
     def observe_dispatch_latency(self, channel: str, seconds: float) -> None:
         """Transmit written → transmit_response received, in seconds."""
         self._latency.labels(channel=channel).observe(seconds)
+
+    def connection_opened(self, channel: str) -> None:
+        self._connections.labels(channel=channel).inc()
+
+    def connection_closed(self, channel: str) -> None:
+        self._connections.labels(channel=channel).dec()
+
+    def connection_refused(self, channel: str, reason: str) -> None:
+        """A newcomer was closed at once (``busy``, ``source_busy``, ``source_not_allowed``)."""
+        self._refused.labels(channel=channel, reason=reason).inc()
+
+    def connection_evicted(self, channel: str) -> None:
+        """An idle connection was closed to make room for a newcomer."""
+        self._evicted.labels(channel=channel).inc()
+
+    def connection_timed_out(self, channel: str, timeout: str) -> None:
+        """``timeout`` is ``frame`` (frame_timeout) or ``idle`` (idle_timeout)."""
+        self._timed_out.labels(channel=channel, timeout=timeout).inc()
+
+    def audit_row_not_stored(self, channel: str) -> None:
+        """A rejected or unparseable frame over the audit-row limit: counted, not stored.
+
+        Called once per frame of a junk flood: the labelled child is looked up once.
+        """
+        child = self._audit_not_stored_children.get(channel)
+        if child is None:
+            child = self._audit_not_stored_children[channel] = self._audit_not_stored.labels(channel=channel)
+        child.inc()
 
     def set_upstream_connected(self, up: bool) -> None:
         self._upstream.set(1 if up else 0)
