@@ -58,6 +58,18 @@ def load_migrations() -> list[tuple[int, str]]:
     return found
 
 
+#: The WAL is cut back to this size whenever SQLite restarts it from the
+#: start (after a complete checkpoint), so one big batch or a long reader
+#: does not keep its high-water mark on the disk for good. About the
+#: auto-checkpoint threshold (1000 pages of 4 KiB), so a WAL in its usual
+#: range is never cut and regrown.
+WAL_SIZE_LIMIT = 4 * 1024 * 1024
+
+#: PRAGMA auto_vacuum values (the SQLite file header, offset 52/64).
+AUTO_VACUUM_NONE = 0
+AUTO_VACUUM_INCREMENTAL = 2
+
+
 @dataclass(frozen=True)
 class DatabaseOptions:
     synchronous: str = "full"  # SPEC 6: FULL survives power loss in WAL mode
@@ -66,12 +78,29 @@ class DatabaseOptions:
 
 def _apply_pragmas(conn: sqlite3.Connection, options: DatabaseOptions) -> None:
     conn.execute(f"PRAGMA busy_timeout = {int(options.busy_timeout * 1000)}")
+    if conn.execute("PRAGMA page_count").fetchone()[0] == 0:
+        # Only a brand-new, empty file can get it (else it takes a VACUUM):
+        # purged rows' pages can then be handed back to the filesystem
+        # (store.release_free_pages). Older files keep auto_vacuum = NONE
+        # and reuse their free pages; docs/operations.md says how to convert
+        # one offline.
+        conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
     mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
     if str(mode).lower() != "wal":
         raise StorageError(f"could not switch the queue database to WAL mode (got {mode})")
     sync = {"full": "FULL", "normal": "NORMAL"}[options.synchronous]
     conn.execute(f"PRAGMA synchronous = {sync}")
     conn.execute("PRAGMA foreign_keys = ON")
+    conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
+    # Deleted rows hold patient data. FAST zeroes deleted content on the
+    # b-tree pages that are written anyway (a whole row of a message up to
+    # ~4 KB; the first part of a bigger one) but does not rewrite the freed
+    # overflow pages of a big body: ON (Debian's build default) writes every
+    # freed page once more, in zeros, through the WAL, which doubles what a
+    # purge writes and needs disk space exactly when the disk is full.
+    # Freed pages go back to the filesystem soon after a purge (incremental
+    # vacuum) or are reused by the next rows.
+    conn.execute("PRAGMA secure_delete = FAST")
 
 
 def _prepare_files(db_path: Path) -> None:

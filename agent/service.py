@@ -32,7 +32,7 @@ from agent.listener import ChannelListener, IntakeContext
 from agent.metrics import AgentMetrics
 from agent.relay import AckRelay
 from agent.sdnotify import Notifier
-from agent.store import SqliteStore
+from agent.store import FREE_PAGE_SLACK, SqliteStore
 from agent.writer import Reader, Writer
 
 if TYPE_CHECKING:
@@ -309,33 +309,76 @@ class Agent:
             await asyncio.sleep(period)
 
     async def _maintenance(self) -> None:
-        """WAL checkpoint when dirty and the retention sweep, in every process (not lease-bound)."""
+        """Retention, room for intake and a WAL that gives its space back, in every process.
+
+        Not lease-bound. Once a second it looks (read-only) at the disk: under
+        backpressure it purges delivered rows for room, hands free pages back
+        to the filesystem and truncates the WAL as soon as writes pause, so
+        intake resumes by itself; otherwise the retention sweep, a PASSIVE
+        checkpoint every ``checkpoint_interval`` and a TRUNCATE one when idle.
+        Every write goes through the writer (one batch, bounded work) and the
+        checkpoint gives up after 0.1 s rather than hold intake up.
+        """
         assert self.writer is not None
         assert self.reader is not None
+        writer, reader = self.writer, self.reader
         q = self.settings.queue
-        last_retention = 0.0
-        last_optimize = time.time()
+        tick = min(1.0, q.checkpoint_interval, q.retention_interval)
+        last_retention = float("-inf")  # the first sweep runs at once
+        last_checkpoint = last_truncate = last_optimize = time.monotonic()
         wal = self.settings.db_path.with_name(self.settings.db_path.name + "-wal")
+        was_refusing: str | None = None
+        try:
+            if await reader.run(lambda s: s.auto_vacuum()) == db.AUTO_VACUUM_NONE:
+                log.info("queue_file_keeps_free_pages",
+                         hint="created before auto_vacuum: purged pages are reused, the file never "
+                              "shrinks; see docs/operations.md to convert it")
+        except StorageError as exc:
+            log.warning("maintenance_failed", error=str(exc))
         while True:
-            await asyncio.sleep(min(q.checkpoint_interval, q.retention_interval))
-            now = time.time()
-            if now - last_retention >= q.retention_interval:
-                last_retention = now
-                try:
-                    purged = await self.writer.run(lambda s: s.purge_retention(time.time()) + s.enforce_size_cap())
+            await asyncio.sleep(tick)
+            mono = time.monotonic()
+            try:
+                # A message needs more room than the bare floor: intake may
+                # still refuse while the measurement (of zero bytes) passes.
+                refusing = await reader.run(lambda s: s.pressure()) or (
+                    "intake refuses messages for room" if mono - writer.store.refused_at < 3 * tick else None)
+                if bool(refusing) != bool(was_refusing):
+                    if refusing:
+                        log.warning("intake_backpressure", reason=refusing)
+                    else:
+                        log.info("intake_backpressure_over")
+                was_refusing = refusing
+                if refusing or mono - last_retention >= q.retention_interval:
+                    last_retention = mono
+                    purged = await writer.run(lambda s: s.make_room(time.time()) + s.enforce_size_cap())
                     if purged:
                         log.info("retention_purged", rows=purged)
-                except StorageError as exc:
-                    log.warning("retention_failed", error=str(exc))
-            try:
-                if wal.exists() and wal.stat().st_size > 0:
-                    # PASSIVE never waits on readers or the other process's writer.
-                    await self.reader.run(lambda s: s.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone())
-                if now - last_optimize >= 3600:
+                # Free pages beyond a small slack go back to the filesystem
+                # (all of them while the disk is short); bounded per tick.
+                tight = bool(refusing) or await reader.run(lambda s: s.disk_tight())
+                keep = 0 if tight else FREE_PAGE_SLACK
+                if await reader.run(lambda s: s.free_pages()) > keep:
+                    await writer.run(lambda s: s.release_free_pages(keep))  # noqa: B023 - awaited here
+                wal_bytes = wal.stat().st_size if wal.exists() else 0
+                if wal_bytes > 0:
+                    # Cut the WAL to nothing at the first pause in writes when
+                    # space is short or it grew past its regular size (a big
+                    # batch, a purge, a vacuum); else once per interval.
+                    idle = writer.idle_for() >= tick
+                    if idle and (tight or wal_bytes > db.WAL_SIZE_LIMIT
+                                 or mono - last_truncate >= q.checkpoint_interval):
+                        last_truncate = last_checkpoint = mono
+                        await reader.run(lambda s: s.checkpoint("TRUNCATE"))
+                    elif mono - last_checkpoint >= q.checkpoint_interval:
+                        # PASSIVE never waits on readers or the other process's writer.
+                        last_checkpoint = mono
+                        await reader.run(lambda s: s.checkpoint("PASSIVE"))
+                if mono - last_optimize >= 3600:
                     # SPEC 6: long-lived connections refresh the planner's statistics.
-                    last_optimize = now
-                    await self.reader.run(lambda s: s.conn.execute("PRAGMA optimize").fetchall())
-                    await self.writer.run(lambda s: s.conn.execute("PRAGMA optimize").fetchall())
+                    last_optimize = mono
+                    await reader.run(lambda s: s.conn.execute("PRAGMA optimize").fetchall())
+                    await writer.run(lambda s: s.conn.execute("PRAGMA optimize").fetchall())
             except (OSError, StorageError) as exc:
                 log.warning("maintenance_failed", error=str(exc))
 
@@ -406,8 +449,9 @@ class Agent:
         if self.writer is not None:
             self.writer.close()
         if self.reader is not None:
+            # Give the WAL's space back, but never queue behind a successor's writes.
             with contextlib.suppress(Exception):
-                self.reader.store.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                self.reader.store.checkpoint("TRUNCATE", wait=0.5)
             self.reader.close()
 
 

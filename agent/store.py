@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from agent import states
+from agent.db import WAL_SIZE_LIMIT
 from agent.errors import LeaseLost, StorageError
+
+#: Free pages a file keeps for its next rows rather than handing them back at
+#: once (4 MiB of 4 KiB pages): steady intake after a retention sweep reuses
+#: them instead of shrinking and regrowing the file. Under backpressure all go.
+FREE_PAGE_SLACK = 1024
 
 AckMode = Literal["commit", "application", "enhanced"]
 IntakeOutcome = Literal["accepted", "duplicate", "conflict", "backpressure"]
@@ -254,8 +260,10 @@ class SqliteStore:
         self.max_db_bytes = max_db_bytes
         self.min_free_disk_bytes = min_free_disk_bytes
         self.clock = clock
-        self._pressure_checked_at = 0.0
-        self._under_pressure = False
+        self._disk_free: int | None = None  # usable disk space at this batch's first intake
+        self._batch_cost = 0  # bytes the intakes of this batch may have added
+        self._page_size = 0
+        self.refused_at = float("-inf")  # time.monotonic() of the last intake refused for room
 
     # -- transactions -------------------------------------------------------
 
@@ -266,6 +274,7 @@ class SqliteStore:
             self.conn.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
             raise StorageError(f"cannot start a write transaction: {exc}") from exc
+        self.begin_batch()
         try:
             yield self
         except BaseException:
@@ -316,7 +325,7 @@ class SqliteStore:
                     prior_state=state,
                 )
             return IntakeResult(outcome="conflict", message_id=prior_id, ack_mode=item.ack_mode)
-        if self.over_limits(now):
+        if self.over_limits(now, self.intake_cost(len(item.body) + len(item.commit_ack or b""))):
             return IntakeResult(outcome="backpressure", message_id="", ack_mode=item.ack_mode)
         message_id = str(uuid.uuid4())
         seq_row = self._one("next_seq", channel=item.channel)
@@ -362,7 +371,15 @@ class SqliteStore:
         return IntakeResult(outcome="accepted", message_id=message_id, seq=seq, ack_mode=item.ack_mode)
 
     def record_audit(self, item: AuditItem) -> str:
-        """Insert a ``nacked`` audit row; never counts as a dedupe prior."""
+        """Insert a ``nacked`` audit row; never counts as a dedupe prior.
+
+        Audit rows are intake too: when purging cannot make room below the disk
+        floor or at the size cap they are not kept (StorageError), so they never
+        eat the reserve dispatch needs.
+        """
+        cost = self.intake_cost(len(item.body) + len(item.ack_sent or b""))
+        if self.over_limits(self.clock(), cost):
+            raise StorageError("audit row not kept: no room below the queue's disk and size limits")
         message_id = str(uuid.uuid4())
         self.conn.execute(
             self.q["insert_message"],
@@ -407,46 +424,161 @@ class SqliteStore:
         return (str(row[0]), str(row[1]), row[2], row[3])
 
     # -- backpressure and retention ------------------------------------------
+    #
+    # Intake (messages and audit rows) may only use the disk down to
+    # ``min_free_disk_bytes``; everything below that floor is a reserve for
+    # the writes that free space or must never stop: claim, inflight, settle,
+    # lease, purges, vacuum, checkpoints. Free space is measured at the start
+    # of every commit batch (``begin_batch``, not on a timer) and each intake
+    # of the batch is charged its estimated size against it, so a burst can
+    # overshoot the floor by at most one estimate's error.
+
+    def begin_batch(self) -> None:
+        """A commit batch starts (after BEGIN IMMEDIATE): the next intake measures the disk afresh."""
+        self._disk_free = None
+        self._batch_cost = 0
+
+    def page_size(self) -> int:
+        if not self._page_size:
+            self._page_size = int(self.conn.execute("PRAGMA page_size").fetchone()[0])
+        return self._page_size
+
+    def intake_cost(self, nbytes: int) -> int:
+        """Disk bytes one intake may take: its pages in the WAL and again in the file, plus the
+        index, counter and dedupe pages it touches (a deliberate over-estimate)."""
+        return 2 * nbytes + 12 * self.page_size()
 
     def used_bytes(self) -> int:
         """Database size without free pages (SPEC 6: size measured without free pages)."""
         page_count = self.conn.execute("PRAGMA page_count").fetchone()[0]
-        freelist = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
-        page_size = self.conn.execute("PRAGMA page_size").fetchone()[0]
-        return int((page_count - freelist) * page_size)
+        return int((page_count - self.free_pages()) * self.page_size())
+
+    def free_pages(self) -> int:
+        """Pages inside the file that hold no data: new rows reuse them before the file grows."""
+        return int(self.conn.execute("PRAGMA freelist_count").fetchone()[0])
 
     def free_disk_bytes(self) -> int:
         st = os.statvfs(self.db_path.parent)
         return int(st.f_bavail * st.f_frsize)
 
-    def _limits_exceeded(self) -> bool:
-        if self.max_db_bytes and self.used_bytes() >= self.max_db_bytes:
-            return True
-        return bool(self.min_free_disk_bytes and self.free_disk_bytes() < self.min_free_disk_bytes)
+    def _usable_disk_bytes(self) -> int:
+        """Free disk space minus what is already promised: the WAL regrows to its
+        regular size (db.WAL_SIZE_LIMIT) after every truncation, and pages that
+        so far live only in the WAL extend the file when they are checkpointed."""
+        wal = _file_size(self.db_path.with_name(self.db_path.name + "-wal"))
+        logical = int(self.conn.execute("PRAGMA page_count").fetchone()[0]) * self.page_size()
+        pending = max(0, logical - _file_size(self.db_path))
+        return self.free_disk_bytes() - max(0, WAL_SIZE_LIMIT - wal) - pending
 
-    def over_limits(self, now: float) -> bool:
-        """SPEC 4 backpressure: purge what retention allows first, then refuse."""
+    def _room_problem(self, cost: int) -> tuple[str, bool] | None:
+        """Why ``cost`` more intake bytes do not fit now, and whether purging rows would help."""
+        if self.max_db_bytes and self.used_bytes() + cost > self.max_db_bytes:
+            return "the queue database is at queue.max_db_bytes", True
+        floor = self.min_free_disk_bytes
+        if not floor:
+            return None
+        if self._disk_free is None:
+            self._disk_free = self._usable_disk_bytes()
+        disk = self._disk_free - self._batch_cost - cost
+        # Half the floor always stays really free on the disk: the WAL that
+        # dispatch writes lives outside the file's free pages.
+        if disk < floor // 2:
+            return "free disk space is below queue.min_free_disk_bytes", False
+        # The file's own free pages count as room: new rows reuse them first
+        # (and a file with auto_vacuum hands them back to the filesystem).
+        if disk + self.free_pages() * self.page_size() < floor:
+            return "free disk space is below queue.min_free_disk_bytes", True
+        return None
+
+    def over_limits(self, now: float, cost: int = 0) -> bool:
+        """SPEC 4 backpressure: purge what the limits allow first, then refuse.
+
+        ``cost`` (see ``intake_cost``) is charged to this batch when it fits.
+        """
         if not (self.max_db_bytes or self.min_free_disk_bytes):
             return False
-        # Checking costs a few pragmas and a statvfs: do it at most every 0.5 s
-        # while healthy, on every message while under pressure.
-        if not self._under_pressure and now - self._pressure_checked_at < 0.5:
-            return False
-        self._pressure_checked_at = now
-        if not self._limits_exceeded():
-            self._under_pressure = False
-            return False
-        self.purge_retention(now)
-        while self._limits_exceeded():
-            if self._one_purge_step_oldest() == 0:
+        if self._room_problem(cost) is not None:
+            self.make_room(now, cost)
+            if self._room_problem(cost) is not None:
+                self.refused_at = time.monotonic()
+                return True
+        self._batch_cost += cost
+        return False
+
+    def make_room(self, now: float, cost: int = 0, max_steps: int = 20) -> int:
+        """Purge for room: what retention allows, then the oldest delivered rows first.
+
+        Only ``processed``, ``rejected`` and ``nacked`` rows go (never live or
+        ``failed`` ones), at most ``max_steps`` batches of 500 per call so one
+        intake never holds the write lock for long; the next call goes on.
+        """
+        purged = self.purge_retention(now)
+        for _ in range(max_steps):
+            problem = self._room_problem(cost)
+            if problem is None or not problem[1]:
                 break
-        self._under_pressure = self._limits_exceeded()
-        return self._under_pressure
+            step = self._one_purge_step_oldest()
+            if step == 0:
+                break
+            purged += step
+        return purged
+
+    def pressure(self) -> str | None:
+        """Why intake would refuse a message now (a fresh measurement), or None."""
+        self.begin_batch()
+        problem = self._room_problem(0)
+        return problem[0] if problem else None
+
+    def disk_tight(self) -> bool:
+        """The disk alone, without the file's free pages, is below the floor: give those back."""
+        return bool(self.min_free_disk_bytes and self._usable_disk_bytes() < self.min_free_disk_bytes)
 
     def _one_purge_step_oldest(self, limit: int = 500) -> int:
         """Size cap: the oldest purgeable terminal rows go first."""
         cur = self.conn.execute(self.q["purge_oldest_terminal"], {"limit": limit})
         return cur.rowcount
+
+    def auto_vacuum(self) -> int:
+        """The file's PRAGMA auto_vacuum (0 none, 2 incremental; see db._apply_pragmas)."""
+        return int(self.conn.execute("PRAGMA auto_vacuum").fetchone()[0])
+
+    def release_free_pages(self, keep: int = 0, limit: int = 2048) -> int:
+        """Hand free pages beyond ``keep`` back to the filesystem, at most ``limit`` per call.
+
+        Needs auto_vacuum = INCREMENTAL (files created since this version).
+        The file itself shrinks at the next complete checkpoint. Returns the
+        number of pages released.
+        """
+        if self.auto_vacuum() != 2:
+            return 0
+        count = min(self.free_pages() - keep, limit)
+        if count <= 0:
+            return 0
+        before = self.free_pages()
+        # Python's sqlite3 steps a statement without result columns only
+        # once, and each step of incremental_vacuum releases one page.
+        for _ in range(count):
+            self.conn.execute("PRAGMA incremental_vacuum")
+        return before - self.free_pages()
+
+    def checkpoint(self, mode: str, wait: float = 0.1) -> tuple[int, int, int]:
+        """``PRAGMA wal_checkpoint(mode)`` waiting at most ``wait`` s for locks: (busy, log, done).
+
+        TRUNCATE takes the write lock for a moment: run a PASSIVE one first
+        (it copies without blocking anybody) so little is left to copy while
+        the lock is held, and give up rather than queue behind a writer.
+        """
+        if mode not in ("PASSIVE", "TRUNCATE"):
+            raise ValueError(f"unknown checkpoint mode {mode!r}")
+        if mode == "TRUNCATE":
+            self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        previous = int(self.conn.execute("PRAGMA busy_timeout").fetchone()[0])
+        self.conn.execute(f"PRAGMA busy_timeout = {int(wait * 1000)}")
+        try:
+            row = self.conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
+        finally:
+            self.conn.execute(f"PRAGMA busy_timeout = {previous}")
+        return int(row[0]), int(row[1]), int(row[2])
 
     def purge_retention(self, now: float, batch: int = 1000) -> int:
         """Delete purgeable terminal rows older than ``retention`` and expired dedupe keys.
@@ -469,8 +601,13 @@ class SqliteStore:
         return purged
 
     def probe_write(self) -> None:
-        """A tiny write: /readyz proves the database takes writes."""
+        """A tiny write: /readyz proves the database takes writes — and intake would accept."""
         self.conn.execute(self.q["probe_write"], {"now": repr(self.clock())})
+        if self._room_problem(0) is not None:
+            self.make_room(self.clock())
+            problem = self._room_problem(0)
+            if problem is not None:
+                raise StorageError(f"backpressure: {problem[0]}")
 
     # -- lease ---------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import concurrent.futures
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -57,6 +58,11 @@ class Writer:
         self._deferred_lock = threading.Lock()
         self.defer_flush_interval = 0.5
         self.batches = 0
+        self.last_write = time.monotonic()  # of the last batch that changed a row
+
+    def idle_for(self) -> float:
+        """Seconds since a batch last changed a row (a refused intake changes none)."""
+        return time.monotonic() - self.last_write
 
     def start(self) -> None:
         self._thread.start()
@@ -149,6 +155,10 @@ class Writer:
         except sqlite3.Error as exc:
             self._fail_all(batch, _as_storage_error(exc))
             return
+        # Intake measures free disk space once per batch, not on a timer: a
+        # burst cannot outrun the check and eat the reserve dispatch needs.
+        self.store.begin_batch()
+        changes = conn.total_changes
         outcomes: list[tuple[bool, Any]] = []
         for index, job in enumerate(batch):
             savepoint = f"job{index}"
@@ -181,6 +191,8 @@ class Writer:
             self._fail_all(batch, _as_storage_error(exc))
             return
         self.batches += 1
+        if conn.total_changes != changes:
+            self.last_write = time.monotonic()
         for job, (ok, value) in zip(batch, outcomes, strict=True):
             if job.future.set_running_or_notify_cancel():
                 if ok:
