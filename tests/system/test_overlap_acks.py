@@ -10,6 +10,7 @@ AR "resend later" for each before closing. Never silence.
 from __future__ import annotations
 
 import signal
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from agenttest import (
     err3,
     free_port,
     hl7_message,
+    make_test_pki,
     msa2,
     toml_config,
     wait_for,
@@ -233,6 +235,50 @@ def test_enhanced_mode_application_acks_follow_the_connection_to_the_successor(t
         assert new.has_event("connection_adopted"), new.log_tail()
         wait_for(lambda: set(outcomes(tmp_path).values()) == {"delivered"}, 10,
                  what="every row recorded as delivered")
+    finally:
+        for client in clients:
+            client.close()
+        old.stop()
+        new.stop()
+        dev.stop()
+
+
+class TlsClient(MllpClient):
+    def __init__(self, port: int, ca: Path, timeout: float) -> None:
+        super().__init__(port, timeout=timeout)
+        self.sock = ssl.create_default_context(cafile=str(ca)).wrap_socket(self.sock, server_hostname="127.0.0.1")
+
+
+def test_tls_application_ack_senders_get_ar_before_the_close_even_beside_a_successor(tmp_path: Path) -> None:
+    """A TLS channel cannot hand connections over (the TLS state lives in the process): with a successor running, each waiting sender still gets the server's AA or AR 207 before the close, never silence."""
+    pki = make_test_pki(tmp_path)
+    slow = threading.Event()
+    slow.set()
+    dev = slow_server(slow)
+    port = free_port()
+    old, new = pair(tmp_path, port, dev, ack="application", tls_cert=str(pki / "server.pem"),
+                    tls_key=str(pki / "server.key"))
+    clients: list[MllpClient] = []
+    try:
+        old.start().wait_started()
+        clients = [TlsClient(port, pki / "ca.pem", timeout=60) for _ in range(SENDERS)]
+        for i, client in enumerate(clients):
+            client.send(hl7_message(f"TLS{i}"))
+        wait_for(lambda: committed(tmp_path) == SENDERS, 20, what="every message committed")
+        results = [Received() for _ in clients]
+        readers = [read_acks(c, r, 2, 40) for c, r in zip(clients, results, strict=True)]
+        new.start().wait_started()
+        old.signal(signal.SIGTERM)
+        assert old.wait_exit(20) == 0, old.log_tail()
+        for reader in readers:
+            reader.join(40)
+        for i, r in enumerate(results):
+            assert len(r.acks) == 1 and r.ended != "timeout", (i, r, old.log_tail())
+            code, cid, error = r.acks[0]
+            assert cid == f"TLS{i}"
+            assert (code, error) in {("AA", ""), ("AR", "207")}, r.acks
+        assert any(r.acks[0][0] == "AR" for r in results), "the slow server answered everything: the test proves nothing"
+        assert not old.has_event("connection_handed_over")
     finally:
         for client in clients:
             client.close()
