@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 HANDOVER_SOCKET = "handover.sock"
-#: At shutdown without a successor: time kept to answer held application ACKs AR and close after.
+#: At shutdown without a successor: time kept to answer held application ACKs AR and close after
+#: (the lingering close waits up to 2 s for the sender to close its side).
 HELD_ACK_GRACE = 2.5
 RECENT_FAILURES_SQL = """
 SELECT id, channel, control_id, message_type, state, error_code, error_text, attempts, updated_at
@@ -387,7 +388,7 @@ class Agent:
         # is for the dispatcher and the database), then each is answered AR
         # "resend later" before the connection closes — never silence.
         connections_by = deadline - budget / 3
-        drained = await self._within(self._connections_closed(), connections_by - min(HELD_ACK_GRACE, budget / 6))
+        drained = await self._within(self._connections_closed(), connections_by - min(HELD_ACK_GRACE, budget / 4))
         if not drained:
             for listener in self.listeners:
                 listener.release_held_acks()
