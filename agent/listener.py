@@ -14,9 +14,11 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+import itertools
 import socket
 import ssl
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from itertools import count
@@ -26,6 +28,8 @@ import structlog
 
 from agent import acks, envelope, mllp
 from agent.acks import AckCode, Outcome
+from agent.adoption import NOTHING_OWED, Owed, OwedFrame, OwedRelay, OwedReply, OwedWait
+from agent.aio import unless
 from agent.envelope import Envelope, MalformedMsh, NoMshSegment
 from agent.errors import HL7Error, StorageError
 from agent.relay import AckRelay
@@ -77,8 +81,9 @@ class IntakeContext:
     metrics: AgentMetrics | None = None
     #: Called with the channel name after a row was committed (wakes the dispatcher).
     on_committed: Callable[[str], None] | None = None
-    #: Hands a live connection to the successor at shutdown (SPEC 7); True when taken.
-    hand_over: Callable[[str, int, str, bytes], Awaitable[bool]] | None = None
+    #: Hands a live connection (channel, fd, remote, unhandled bytes, owed ACKs) to the
+    #: successor at shutdown (zero-downtime upgrade); True when taken.
+    hand_over: Callable[[str, int, str, bytes, Owed], Awaitable[bool]] | None = None
 
 
 @dataclass
@@ -93,6 +98,38 @@ class Reply:
         if ack is not None:
             self.acks.append((ack, on_written))
         return self
+
+
+@dataclass(eq=False)
+class _Held:
+    """An application ACK the sender waits for (original mode, ``ack = "application"``)."""
+
+    message_id: str
+    inbound: Envelope
+    codec: str
+    deadline: float  # time.monotonic()
+
+
+@dataclass(eq=False)
+class _Relay:
+    """An enhanced-mode application ACK this connection relays once its row settles."""
+
+    message_id: str
+    inbound: Envelope
+    #: The reply whose ACKs are written before the relay starts (None: already written).
+    reply_task: asyncio.Task[Any] | None
+
+
+@dataclass(eq=False)
+class _OutcomeRecorder:
+    """Records whether the source got a row's final ACK, once its write is known."""
+
+    conn: Connection
+    message_id: str
+
+    def __call__(self, written: bool) -> None:
+        if not self.conn.moved:  # it went to the successor, which records it
+            self.conn._set_outcome(self.message_id, "delivered" if written else "undelivered")
 
 
 def format_peer(peer: Any) -> str:
@@ -175,6 +212,16 @@ class ChannelListener:
     def abort_connections(self) -> None:
         for conn in list(self.connections):
             conn.abort()
+
+    def release_held_acks(self) -> None:
+        """Stop waiting for the server: each held application ACK is answered AR "resend later" now.
+
+        For a stop that found no successor to take the connections (a plain
+        stop, a TLS channel, a successor of the previous version): each sender
+        hears "resend later" before its connection closes, never silence.
+        """
+        for conn in list(self.connections):
+            conn.release_held.set()
 
     def _source_allowed(self, peer: Any) -> bool:
         if not self._allowed:
@@ -261,14 +308,22 @@ class ChannelListener:
         if self.ctx.metrics is not None:
             self.ctx.metrics.connection_refused(self.channel.name, reason)
 
-    async def adopt(self, sock: socket.socket, remote: str, buffered: bytes) -> bool:
-        """Serve a connection a predecessor handed over mid-stream (SPEC 7 upgrade)."""
+    async def adopt(self, sock: socket.socket, remote: str, buffered: bytes, owed: Owed = NOTHING_OWED) -> bool:
+        """Serve a connection a predecessor handed over mid-stream (zero-downtime upgrade).
+
+        What the sender is still owed comes along and is answered first, in
+        order, before any frame the predecessor had not handled.
+        """
         if self._ssl is not None or not self.serving:
             return False  # TLS state cannot move between processes; nor do we take work while stopping
+        if len(owed.replies) > MAX_PIPELINED_FRAMES:
+            return False  # more than one connection can have in progress: not from a sane predecessor
         sock.setblocking(False)
         reader, writer = await asyncio.open_connection(sock=sock, limit=READ_CHUNK)
         conn = Connection(self, reader, writer, remote, initial=buffered)
-        conn.log.info("connection_adopted", buffered=len(buffered))
+        await conn._take_owed(owed)
+        conn.log.info("connection_adopted", buffered=len(buffered), replies_owed=len(owed.replies),
+                      relays_owed=len(owed.relays))
         task = asyncio.create_task(self._serve(conn), name=f"adopted-{conn.conn_id}")
         self._adopted_tasks.add(task)
         task.add_done_callback(self._adopted_tasks.discard)
@@ -349,6 +404,24 @@ class Connection:
         self._audit_summary: asyncio.TimerHandle | None = None
         self._relay_overflow_logged = False
         self._junk_counted = False
+        # -- what the sender is owed, so it can move with the connection at an upgrade --
+        #: Reply tasks in arrival order; the last ``pending_frames`` are not taken by the ACK writer yet.
+        self.reply_order: deque[asyncio.Task[Reply]] = deque()
+        #: Application ACKs held for the server (original mode), by the reply task that holds them.
+        self.held: dict[asyncio.Task[Any], _Held] = {}
+        #: Enhanced-mode relays not finished yet, in the order their replies were built,
+        #: by ``id()`` of the inbound envelope (one per frame; the entry keeps it alive).
+        self.relays: dict[int, _Relay] = {}
+        #: Relayed ACKs being written right now.
+        self.relay_writes = 0
+        #: Set: stop waiting for held ACKs (they moved to a successor, or AR is answered now).
+        self.release_held = asyncio.Event()
+        #: While a hand-over is under way: its outcome (True: what was owed moved with it).
+        self.moving: asyncio.Future[bool] | None = None
+        #: What this connection owed went to a successor: answer, write and record none of it here.
+        self.moved = False
+        #: Bytes read from the stream while handing over, kept for a later attempt.
+        self.read_while_moving = bytearray()
         self.log = log.bind(channel=self.channel.name, peer=remote, conn=self.conn_id)
 
     # -- lifecycle -----------------------------------------------------------
@@ -388,8 +461,8 @@ class Connection:
             # cancelled (loop teardown) would hang the process at exit.
             self.replies.put_nowait(None)
             with contextlib.suppress(Exception):
-                await ack_writer
-            if self.closing.is_set() and not self.closed and not await self._hand_over():
+                await self._finish_replies(ack_writer)
+            if self.closing.is_set() and not self.closed and not await self._hand_over(or_without_owed=True):
                 await self._lingering_close()
             for task in list(self.relay_tasks):
                 task.cancel()
@@ -400,8 +473,88 @@ class Connection:
                 await self.writer.wait_closed()
             self.log.info("connection_closed")
 
-    async def _hand_over(self) -> bool:
-        """Give the live connection to the successor, with every byte read but not handled (SPEC 7)."""
+    async def _finish_replies(self, ack_writer: asyncio.Task[None]) -> None:
+        """Until the ACK writer has written every answer — when stopping, only until the rest is owed.
+
+        On shutdown, a connection whose sender waits for application ACKs the
+        server has not given yet (``ack = "application"``, a slow server) does
+        not hold the old process until its budget cuts it off: as soon as
+        nothing but held ACKs and ready answers behind them are left, it goes
+        to the successor together with them, which relays each when its row
+        settles. With no successor the held ACKs wait here until
+        ``release_held`` (the shutdown budget), then get AR "resend later".
+        """
+        tried = False
+        closing = asyncio.ensure_future(self.closing.wait())
+        try:
+            while not ack_writer.done():
+                if not self.closing.is_set():
+                    await asyncio.wait({ack_writer, closing}, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                if not tried and self.held and not self.closed and self._quiet() and self._owed() is not None:
+                    tried = True
+                    if await self._hand_over(or_without_owed=False):
+                        break
+                # The writer reaches the first held ACK after writing what precedes it;
+                # a short re-check, only while stopping.
+                await asyncio.wait({ack_writer}, timeout=0.05)
+        finally:
+            closing.cancel()
+        await ack_writer
+
+    def _quiet(self) -> bool:
+        """Nothing of ours is on its way to the socket (an ACK in asyncio's buffer would be lost with our fd)."""
+        transport = cast(asyncio.Transport, self.writer.transport)
+        return transport.get_write_buffer_size() == 0 and not self.relay_writes
+
+    def _owed(self) -> Owed | None:
+        """What this connection still owes its sender, in arrival order; None while that is not settled.
+
+        Settled when every answer not yet written is either ready or an
+        application ACK held for the server, and the ACK writer waits on the
+        first of them — so it writes nothing while the connection moves.
+        """
+        waiting = self.pending_frames
+        order = self.reply_order
+        unconsumed = list(itertools.islice(order, len(order) - waiting, None)) if waiting else []
+        # The writer took the first (the queue holds the others and the end marker) and waits on it.
+        if unconsumed and (unconsumed[0].done() or self.replies.qsize() != len(unconsumed)):
+            return None
+        now = time.monotonic()
+        replies: list[OwedReply] = []
+        for task in unconsumed:
+            held = self.held.get(task)
+            if held is not None and not task.done():
+                replies.append(OwedReply(wait=OwedWait(held.message_id, held.inbound, held.codec,
+                                                       held.deadline - now)))
+            elif task.done() and not task.cancelled() and task.exception() is None:
+                reply = task.result()
+                frames = tuple(OwedFrame(ack, cb.message_id if isinstance(cb, _OutcomeRecorder) else None)
+                               for ack, cb in reply.acks)
+                relay = OwedRelay(*reply.relay_for) if reply.relay_for is not None else None
+                replies.append(OwedReply(frames=frames, relay=relay))
+            else:
+                return None  # still being handled (committing), or failed: the writer deals with it
+        in_replies = set(unconsumed)
+        relays = tuple(OwedRelay(r.message_id, r.inbound) for r in self.relays.values()
+                       if r.reply_task not in in_replies)
+        return Owed(tuple(replies), relays)
+
+    async def _moved_away(self) -> bool:
+        """True when what this connection owed went to a successor (waits while a hand-over is under way)."""
+        if self.moving is not None:
+            await asyncio.shield(self.moving)
+        return self.moved
+
+    async def _hand_over(self, *, or_without_owed: bool) -> bool:
+        """Give the live connection to the successor, with every byte read but not handled and every ACK it owes.
+
+        ``or_without_owed``: when the successor does not take what is owed (a
+        previous version), hand the connection over without it — for relays
+        only: they are then recorded undelivered and replayed on retransmit,
+        as when a connection closes. Held application ACKs never go without
+        their connection's owed list; the caller answers them AR instead.
+        """
         if self.ctx.hand_over is None or self.peer_gone.is_set() or self.listener._ssl is not None:
             return False
         in_progress = self.decoder.unconsumed()
@@ -409,17 +562,46 @@ class Connection:
         if in_progress is None or sock is None:
             return False
         transport = cast(asyncio.Transport, self.writer.transport)
-        # ACKs still in asyncio's write buffer would be lost with our fd.
         deadline = time.monotonic() + 2.0
-        while transport.get_write_buffer_size() and time.monotonic() < deadline:  # noqa: ASYNC110
+        while not self._quiet() and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
-        if transport.get_write_buffer_size():
-            return False  # a sender that does not read: close it the usual way
-        # From here no ACK may be written on our side (a late enhanced-mode relay
-        # is recorded undelivered and replayed on retransmit instead).
+        owed = self._owed() if self._quiet() else None
+        if owed is None:
+            return False  # a sender that does not read, or an answer still in the works: close the usual way
+        # From here no ACK may be written on our side, and nothing owed is
+        # answered or recorded until the successor has said whether it took it.
+        self.moving = asyncio.get_running_loop().create_future()
         self.closed = True
         transport.pause_reading()
-        buffered = bytearray(self.unhandled + in_progress)
+        taken = moved = False
+        try:
+            buffered = await self._unread_bytes(in_progress)
+            if buffered is None:
+                return False  # the sender closed: nothing to hand on
+            taken = await self.ctx.hand_over(self.channel.name, sock.fileno(), self.remote, buffered, owed)
+            moved = taken and bool(owed)
+            if not taken and owed and or_without_owed and not owed.replies:
+                taken = await self.ctx.hand_over(self.channel.name, sock.fileno(), self.remote, buffered,
+                                                 NOTHING_OWED)
+        finally:
+            self.moved = moved
+            self.moving.set_result(moved)
+            self.moving = None
+            if not taken:
+                self.closed = False
+                transport.resume_reading()
+        if not taken:
+            return False
+        if moved:
+            self.release_held.set()  # their waits end here; the successor answers them
+        # Our copy of the fd goes; the successor's keeps the connection open.
+        transport.abort()
+        self.log.info("connection_handed_over", buffered=len(buffered), replies_owed=len(owed.replies) if moved else 0,
+                      relays_owed=len(owed.relays) if moved else 0)
+        return True
+
+    async def _unread_bytes(self, in_progress: bytes) -> bytes | None:
+        """Every byte received but not handled, reading paused; None when the sender closed its side."""
         # Bytes asyncio already read into the stream buffer: with reading
         # paused, a read() returns them at its first step or would wait forever.
         while True:
@@ -432,19 +614,10 @@ class Connection:
                 break
             data = read.result()
             if not data:
-                self.closed = False
-                transport.resume_reading()
-                return False  # the sender closed: nothing to hand on
-            buffered += data
-        taken = await self.ctx.hand_over(self.channel.name, sock.fileno(), self.remote, bytes(buffered))
-        if not taken:
-            self.closed = False
-            transport.resume_reading()
-            return False
-        # Our copy of the fd goes; the successor's keeps the connection open.
-        transport.abort()
-        self.log.info("connection_handed_over", buffered=len(buffered))
-        return True
+                self.peer_gone.set()
+                return None
+            self.read_while_moving += data  # kept for a later attempt should this one fail
+        return bytes(self.unhandled + in_progress + self.read_while_moving)
 
     async def _lingering_close(self, linger: float = 2.0) -> None:
         """Close after the last ACK without ever resetting the connection (SPEC 7).
@@ -619,7 +792,15 @@ class Connection:
             await asyncio.wait(set(self.audit_jobs), return_when=asyncio.FIRST_COMPLETED)
         await self.slots.acquire()
         self.pending_frames += 1
-        self.replies.put_nowait(asyncio.create_task(handle()))
+        task = asyncio.create_task(handle())
+        self._track_reply(task)
+        self.replies.put_nowait(task)
+
+    def _track_reply(self, task: asyncio.Task[Reply]) -> None:
+        """Keep reply tasks in arrival order, so what is owed can move in order (see ``_owed``)."""
+        self.reply_order.append(task)
+        while len(self.reply_order) > self.pending_frames:
+            self.reply_order.popleft()  # taken by the writer and done with
 
     async def _write_replies(self) -> None:
         while True:
@@ -680,11 +861,8 @@ class Connection:
         """Record whether the source got its final ACK; rides along with the next commit."""
         self.ctx.writer.defer(lambda s: s.set_ack_outcome(message_id, outcome))
 
-    def _record_outcome(self, message_id: str) -> Callable[[bool], None]:
-        def record(written: bool) -> None:
-            self._set_outcome(message_id, "delivered" if written else "undelivered")
-
-        return record
+    def _record_outcome(self, message_id: str) -> _OutcomeRecorder:
+        return _OutcomeRecorder(self, message_id)
 
     def _audit(self, item: AuditItem, *, limited: bool = True) -> bool:
         """Keep a ``nacked`` audit row; False when it was only counted (over the limit).
@@ -926,41 +1104,107 @@ class Connection:
                 self._set_outcome(message_id, "not_owed")
             else:
                 reply.relay_for = (message_id, env)
+                self._expect_relay(message_id, env)
             return reply
         # Original mode, channel ack = "application": hold the answer for the server's ACK.
         if app_ack is None:
-            # Waits even after the sender's EOF: a half-closed sender still
-            # reads; a gone one makes the write count as undelivered.
-            app_ack = await self.ctx.relay.wait(message_id, self.ctx.application_ack_timeout)
+            return await self._hold_application_ack(env, codec, message_id, self.ctx.application_ack_timeout)
+        return reply.add(app_ack, self._record_outcome(message_id))
+
+    async def _hold_application_ack(self, env: Envelope, codec: str, message_id: str, timeout: float) -> Reply:
+        """Original mode, ``ack = "application"``: the answer is the server's ACK, or AR after ``timeout``.
+
+        Waits even after the sender's EOF: a half-closed sender still reads; a
+        gone one makes the write count as undelivered. At shutdown the held
+        ACK moves with the connection to a successor (see ``_finish_replies``),
+        or, with none, ``release_held`` ends the wait with AR "resend later".
+        """
+        task = asyncio.current_task()
+        assert task is not None  # always run inside a reply task
+        self.held[task] = _Held(message_id, env, codec, time.monotonic() + timeout)
+        try:
+            done = await unless(self.ctx.relay.wait(message_id, timeout), self.release_held)
+            app_ack = done.result() if done is not None else None
+            if await self._moved_away():
+                return Reply()  # the successor answers it, on this same connection
+        finally:
+            self.held.pop(task, None)
         if app_ack is not None:
-            return reply.add(app_ack, self._record_outcome(message_id))
+            return Reply().add(app_ack, self._record_outcome(message_id))
         self._set_outcome(message_id, "undelivered")
-        self.log.info("application_ack_timed_out", id=message_id, control_id=env.control_id)
+        if self.release_held.is_set():
+            self.log.info("application_ack_deferred_at_stop", id=message_id, control_id=env.control_id)
+        else:
+            self.log.info("application_ack_timed_out", id=message_id, control_id=env.control_id)
         ar = acks.build_ack(
             env, AckCode.AR, codec=codec, error_code=207,
             text="accepted and queued; resend later for the application response",
         )
         self._rejected(AckCode.AR)
-        return reply.add(ar)
+        return Reply().add(ar)
+
+    def _expect_relay(self, message_id: str, env: Envelope) -> _Relay:
+        """Note an enhanced-mode relay owed from now on, so it can move with the connection."""
+        entry = _Relay(message_id, env, asyncio.current_task())
+        self.relays[id(env)] = entry
+        return entry
 
     async def _relay_application_ack(self, message_id: str, env: Envelope) -> None:
         """Enhanced mode: relay the server's ACK when it comes, if this connection is idle."""
+        if id(env) not in self.relays:
+            self._expect_relay(message_id, env)
         try:
-            app_ack = await self.ctx.relay.wait(message_id, timeout=None)
-        except asyncio.CancelledError:
-            # The connection closed first: the sender's retransmit gets it replayed.
-            self._record_outcome(message_id)(False)
-            raise
-        if app_ack is None:
-            return
-        success = acks.read_ack_code(app_ack) in ("AA", "CA")
-        if not acks.application_ack_wanted(env, success=success):
-            self._set_outcome(message_id, "not_owed")
-            return
-        # SPEC 4: written only when no message on this connection awaits its own ACK.
-        if self.pending_frames == 0 and not self.decoder.mid_frame and not self.closed:
-            written = await self._write_ack(app_ack)
-        else:
-            written = False
-        self._record_outcome(message_id)(written)
-        self.log.info("application_ack_relayed" if written else "application_ack_undelivered", id=message_id)
+            if self.moved:
+                return  # it went to the successor with the connection
+            try:
+                app_ack = await self.ctx.relay.wait(message_id, timeout=None)
+                if app_ack is None or await self._moved_away():
+                    return
+            except asyncio.CancelledError:
+                # The connection closed first: the sender's retransmit gets it replayed.
+                self._record_outcome(message_id)(False)
+                raise
+            success = acks.read_ack_code(app_ack) in ("AA", "CA")
+            if not acks.application_ack_wanted(env, success=success):
+                self._set_outcome(message_id, "not_owed")
+                return
+            # Written only when no message on this connection awaits its own ACK
+            # (senders match ACKs by order as often as by MSA-2).
+            if self.pending_frames == 0 and not self.decoder.mid_frame and not self.closed:
+                self.relay_writes += 1
+                try:
+                    written = await self._write_ack(app_ack)
+                finally:
+                    self.relay_writes -= 1
+            else:
+                written = False
+            self._record_outcome(message_id)(written)
+            self.log.info("application_ack_relayed" if written else "application_ack_undelivered", id=message_id)
+        finally:
+            self.relays.pop(id(env), None)
+
+    def _start_relay(self, message_id: str, env: Envelope) -> None:
+        self.relays[id(env)] = _Relay(message_id, env, None)
+        task = asyncio.create_task(self._relay_application_ack(message_id, env), name=f"relay-{self.conn_id}")
+        self.relay_tasks.add(task)
+        task.add_done_callback(self.relay_tasks.discard)
+
+    async def _take_owed(self, owed: Owed) -> None:
+        """Adopted with ACKs owed: answer them first, in order, before any frame not yet handled."""
+        for entry in owed.replies:
+            await self._enqueue(functools.partial(self._owed_reply, entry))
+        for relay in owed.relays:
+            self._start_relay(relay.message_id, relay.inbound)
+
+    async def _owed_reply(self, owed: OwedReply) -> Reply:
+        """One answer a predecessor owed: its ready frames, or the application ACK it held."""
+        if owed.wait is not None:
+            w = owed.wait
+            return await self._hold_application_ack(w.inbound, w.codec, w.message_id, w.timeout)
+        reply = Reply()
+        for frame in owed.frames:
+            reply.add(frame.frame, None if frame.message_id is None else self._record_outcome(frame.message_id))
+        if owed.relay is not None:
+            reply.relay_for = (owed.relay.message_id, owed.relay.inbound)
+            self._expect_relay(owed.relay.message_id, owed.relay.inbound)
+        return reply

@@ -1,9 +1,10 @@
 """The daemon: assembles database, listeners, dispatcher and admin, and stops them in order.
 
 Shutdown order on SIGTERM (uvicorn's, SPEC 7): stop accepting; let every
-connection finish the frame it is reading (commit + ACK) and close idle ones
-so senders reconnect to the successor; give pending application ACKs a
-bounded wait; stop claiming and let in-flight transmits settle; release the
+connection finish the frame it is reading (commit + ACK) and hand it to the
+successor (with the application ACKs its sender still waits for), or close
+it; without a successor give pending application ACKs a bounded wait, then
+AR "resend later"; stop claiming and let in-flight transmits settle; release the
 lease; checkpoint the WAL; exit 0 — all within ``agent.shutdown_budget``.
 A second signal skips the waiting: connections are cut and the dispatcher
 cancelled, but every job already handed to the writer is still committed, so
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 HANDOVER_SOCKET = "handover.sock"
+#: At shutdown without a successor: time kept to answer held application ACKs AR and close after
+#: (the lingering close waits up to 2 s for the sender to close its side).
+HELD_ACK_GRACE = 2.5
 RECENT_FAILURES_SQL = """
 SELECT id, channel, control_id, message_type, state, error_code, error_text, attempts, updated_at
 FROM messages WHERE state IN ('failed', 'rejected')
@@ -257,10 +261,11 @@ class Agent:
         """Take live connections from a predecessor, and give ours to a successor (SPEC 7)."""
         path = self.settings.agent.data_dir / adoption.ADOPT_SOCKET
 
-        async def adopt(channel: str, sock: socket.socket, remote: str, buffered: bytes) -> bool:
+        async def adopt(channel: str, sock: socket.socket, remote: str, buffered: bytes,
+                        owed: adoption.Owed) -> bool:
             for listener in self.listeners:
                 if listener.channel.name == channel:
-                    return await listener.adopt(sock, remote, buffered)
+                    return await listener.adopt(sock, remote, buffered, owed)
             return False
 
         server = adoption.AdoptionServer(path, adopt)
@@ -271,8 +276,8 @@ class Agent:
             return
         self.adoption = server
 
-        async def hand_over(channel: str, fd: int, remote: str, buffered: bytes) -> bool:
-            return await adoption.hand_over(path, server.identity, channel, remote, fd, buffered)
+        async def hand_over(channel: str, fd: int, remote: str, buffered: bytes, owed: adoption.Owed) -> bool:
+            return await adoption.hand_over(path, server.identity, channel, remote, fd, buffered, owed=owed)
 
         ctx.hand_over = hand_over
 
@@ -423,13 +428,22 @@ class Agent:
             listener.stop_accepting()
         for listener in self.listeners:
             listener.close_connections()
-        # Connections finish the frame they are reading and their ACKs,
-        # including application ACKs they wait for (bounded by the budget,
-        # keeping a third of it for the dispatcher and the database).
-        drained = await self._within(self._connections_closed(), deadline - budget / 3)
+        # Connections finish the frame they are reading and their ACKs. One
+        # whose sender waits for the server's application ACKs goes to the
+        # successor with them at once; where none takes it, they are awaited
+        # here until shortly before two thirds of the budget (the last third
+        # is for the dispatcher and the database), then each is answered AR
+        # "resend later" before the connection closes — never silence.
+        connections_by = deadline - budget / 3
+        drained = await self._within(self._connections_closed(), connections_by - min(HELD_ACK_GRACE, budget / 4))
+        if not drained:
+            for listener in self.listeners:
+                listener.release_held_acks()
+            drained = await self._within(self._connections_closed(), connections_by)
         if not drained:
             log.warning("connections_aborted_at_budget", open=sum(len(lst.connections) for lst in self.listeners))
         for listener in self.listeners:
+            listener.release_held_acks()
             listener.abort_connections()
         # Aborted connections end at once; let their tasks finish before the
         # loop is torn down (else asyncio logs callbacks on a closed loop).
