@@ -1,12 +1,16 @@
 """Configuration: one TOML file plus ``HL7_AGENT_<SECTION>__<KEY>`` overrides (SPEC 3).
 
-The models are pydantic-settings ``BaseSettings``/pydantic models; loading is done
-by :func:`load_settings`, which reads the file and an *explicit* environment
-mapping itself instead of letting pydantic-settings read ``os.environ``. Two
-reasons: pydantic-settings silently ignores a prefixed variable whose section
-is unknown (``HL7_AGENT_SERVERR__URL``), and SPEC 3 makes every unknown key an
-error; and tests, ``check-config`` and the daemon must all see the same,
-explicitly passed environment.
+The models are pydantic-settings ``BaseSettings``/pydantic models. :func:`load_settings`
+reads the file with pydantic-settings' ``TomlConfigSettingsSource`` and the
+environment with its ``EnvSettingsSource`` (prefix ``HL7_AGENT_``, nested
+delimiter ``__``, names case-insensitive) over an *explicitly passed* mapping,
+so that tests, ``check-config`` and the daemon all see the same environment;
+the environment wins over the file. Kept here is only what pydantic-settings
+does not do: it silently ignores a prefixed variable whose section is unknown
+(``HL7_AGENT_SERVERR__URL``) and lets the last of two spellings of one name
+win, where every unknown key must be an error; its ``BaseSettings.__init__``
+drops the validation context (below); and its errors do not say where a value
+came from.
 
 Errors are :class:`agent.errors.ConfigError` with one line naming the key, the
 problem and where the value came from, e.g.::
@@ -33,6 +37,7 @@ import re
 import socket
 import tomllib
 from collections.abc import Mapping
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -49,7 +54,16 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+)
+from pydantic_settings.sources import ConfigFileSourceType
+from pydantic_settings.sources.utils import parse_env_vars
 
 from agent.addresses import parse_listen
 from agent.envelope import resolve_codec
@@ -504,12 +518,9 @@ class Settings(BaseSettings):
     the environment with SPEC 3's strictness.
     """
 
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX,
-        env_nested_delimiter="__",
-        case_sensitive=False,
-        extra="forbid",
-    )
+    # Keys are matched exactly: the file's [SERVER] is an unknown section, not
+    # [server]. Variable names are case-insensitive: see _EnvironSource.
+    model_config = SettingsConfigDict(case_sensitive=True, extra="forbid")
 
     agent: AgentSettings = Field(default_factory=AgentSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
@@ -531,7 +542,8 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Only what is passed in: load_settings supplies file and environment.
+        # Only what is passed in. load_settings runs the file and environment
+        # sources itself, so that the sections are validated with its context.
         return (init_settings,)
 
     @model_validator(mode="after")
@@ -640,10 +652,40 @@ def _env_lookup(environ: Mapping[str, str], name: str) -> str | None:
     return None
 
 
+class _NamedTomlFile(TomlConfigSettingsSource):
+    """pydantic-settings' TOML source for the one file that was named.
+
+    pydantic-settings skips a file that is missing or not a regular file; the
+    named file is read whatever it is (``--config <(envsubst <agent.toml.in)``
+    is a pipe), so a missing one is an error, never a silent fall-back to defaults.
+    """
+
+    @staticmethod
+    def _existing_files(files: ConfigFileSourceType | None) -> list[Path | Traversable]:
+        if isinstance(files, Path):
+            return [files]
+        return TomlConfigSettingsSource._existing_files(files)
+
+
+class _EnvironSource(EnvSettingsSource):
+    """pydantic-settings' environment source over ``environ`` instead of ``os.environ``."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self._environ = environ  # read by _load_env_vars, which the base __init__ calls
+        super().__init__(
+            Settings, case_sensitive=False, env_prefix=ENV_PREFIX, env_nested_delimiter="__"
+        )
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(
+            self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str
+        )
+
+
 def _read_file(path: Path, named_by: str) -> dict[str, Any]:
+    """The file's tables, in the file's order (the first error reported is the first in it)."""
     try:
-        with path.open("rb") as handle:
-            return tomllib.load(handle)
+        source = _NamedTomlFile(Settings, toml_file=path)
     except FileNotFoundError:
         # An explicitly named file is never silently replaced by defaults.
         raise ConfigError(
@@ -655,15 +697,14 @@ def _read_file(path: Path, named_by: str) -> dict[str, Any]:
         raise ConfigError(f"config error: cannot read {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config error: {path} is not valid TOML: {exc}") from None
+    values = source()
+    return {key: values[key] for key in source.toml_data if key in values} | values
 
 
-def _read_environment(
-    environ: Mapping[str, str],
-) -> tuple[dict[str, dict[str, str]], list[Any] | None, dict[str, str]]:
-    """Section overrides, the channel list (or None) and key -> variable name, from ``environ``."""
-    sections: dict[str, dict[str, str]] = {}
+def _screen_environment(environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The ``HL7_AGENT_`` variables that set keys, and key -> variable name; ConfigError otherwise."""
+    variables: dict[str, str] = {}
     sources: dict[str, str] = {}
-    channels: list[Any] | None = None
     for name in sorted(environ):
         upper = name.upper()
         if not upper.startswith(ENV_PREFIX):
@@ -671,7 +712,7 @@ def _read_environment(
         value = environ[name]
         if upper == CHANNELS_ENV:
             if value.strip():
-                channels = _parse_channels_env(name, value)
+                variables[name] = value
                 sources["channels"] = name
             continue
         if upper in NON_KEY_VARIABLES:
@@ -686,25 +727,58 @@ def _read_environment(
             raise ConfigError(
                 f"config error: {name} and {sources[dotted]} set the same key; keep one"
             )
-        sections.setdefault(section, {})[key] = value
+        variables[name] = value
         sources[dotted] = name
-    return sections, channels, sources
+    return variables, sources
 
 
-def _parse_channels_env(name: str, value: str) -> list[Any]:
+_CHANNELS_EXAMPLE = '[{"name": "adt", "listen": "0.0.0.0:2575"}]'
+
+
+def _read_environment(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Section overrides and the channel list from ``environ``, and key -> variable name."""
+    variables, sources = _screen_environment(environ)
     try:
-        channels = json.loads(value)
-    except json.JSONDecodeError as exc:
+        values = _EnvironSource(variables)()
+    except SettingsError as exc:
+        # Only the channel list is JSON (every section key is a scalar).
+        cause = exc.__cause__
+        if "channels" not in sources or not isinstance(cause, json.JSONDecodeError):
+            raise ConfigError(f"config error: {exc}: {cause}") from None
         raise ConfigError(
-            f"config error: {name} is not valid JSON ({exc.msg} at column {exc.colno}); "
-            'expected a list like [{"name": "adt", "listen": "0.0.0.0:2575"}]'
+            f"config error: {sources['channels']} is not valid JSON "
+            f"({cause.msg} at column {cause.colno}); expected a list like {_CHANNELS_EXAMPLE}"
         ) from None
-    if not isinstance(channels, list) or not all(isinstance(c, dict) for c in channels):
-        raise ConfigError(
-            f"config error: {name} must be a JSON list of channel objects, "
-            'e.g. [{"name": "adt", "listen": "0.0.0.0:2575"}]'
-        )
-    return channels
+    if "channels" in sources:
+        channels = values.get("channels")  # JSON null: the source leaves it out
+        if not isinstance(channels, list) or not all(isinstance(c, dict) for c in channels):
+            raise ConfigError(
+                f"config error: {sources['channels']} must be a JSON list of channel objects, "
+                f"e.g. {_CHANNELS_EXAMPLE}"
+            )
+    return values, sources
+
+
+def _merge(
+    file_values: dict[str, Any], env_values: dict[str, Any], sources: dict[str, str]
+) -> dict[str, Any]:
+    """The environment over the file: a section key by key, the channel list whole.
+
+    Sections the file does not have follow in the order of their variables' names,
+    the channel list last.
+    """
+    data = dict(file_values)
+    order = dict.fromkeys([*(k.partition(".")[0] for k in sources if k != "channels"), "channels"])
+    for section in order:
+        if section not in env_values:
+            continue
+        value = env_values[section]
+        current = data.get(section)
+        # A section the file gives as a non-table value is replaced by the environment's.
+        if isinstance(current, dict) and isinstance(value, dict):
+            value = {**current, **value}
+        data[section] = value
+    return data
 
 
 def load_settings(
@@ -716,14 +790,9 @@ def load_settings(
     named_by = (
         "--config" if cli_value else (CONFIG_ENV if _env_lookup(env, CONFIG_ENV) else "default")
     )
-    data: dict[str, Any] = _read_file(path, named_by) if path is not None else {}
-    overrides, channels, sources = _read_environment(env)
-    for section, values in overrides.items():
-        current = data.get(section)
-        # A non-table value for a section in the file is reported by validation.
-        data[section] = {**current, **values} if isinstance(current, dict) else dict(values)
-    if channels is not None:
-        data["channels"] = channels
+    file_values = _read_file(path, named_by) if path is not None else {}
+    env_values, sources = _read_environment(env)
+    data = _merge(file_values, env_values, sources)
     base_dir = path.absolute().parent if path is not None else Path.cwd()
     settings = _validate(data, {"base_dir": base_dir, "strict_ports": True}, path, sources)
     settings._config_path = path

@@ -302,6 +302,66 @@ class TestUnknownKeys:
         assert "set the same key" in message
 
 
+class TestSources:
+    """Where pydantic-settings' own sources would differ from the documented rules."""
+
+    def test_config_from_a_pipe(self) -> None:
+        """A named file that is not a regular file (--config <(...)) is read, not skipped."""
+        read_end, write_end = os.pipe()
+        try:
+            os.write(write_end, b'[agent]\nid = "from-pipe"\n')
+            os.close(write_end)
+            write_end = -1
+            settings = load_settings(f"/dev/fd/{read_end}", {})
+        finally:
+            os.close(read_end)
+            if write_end >= 0:
+                os.close(write_end)
+        assert settings.agent.id == "from-pipe"
+
+    def test_section_names_are_exact_in_the_file(self, tmp_path: Path) -> None:
+        """[SERVER] is an unknown section, not [server]; two spellings are not merged."""
+        message = load_error(write(tmp_path, '[SERVER]\nurl = "ws://x/"\n'))
+        assert message.startswith("config error: SERVER: is not a known section")
+        text = '[server]\nurl = "ws://x/"\n[Server]\nurl = "ws://y/"\n'
+        message = load_error(write(tmp_path, text))
+        assert "Server: is not a known section (did you mean server?)" in message
+
+    def test_key_names_are_exact_in_the_file(self, tmp_path: Path) -> None:
+        """URL in [server] is an unknown key, whatever the case of the variables."""
+        message = load_error(write(tmp_path, '[server]\nURL = "ws://x/"\n'))
+        assert message.startswith("config error: server.URL: is not a known key")
+
+    def test_first_error_in_file_order(self, tmp_path: Path) -> None:
+        """With errors in two sections, the one earlier in the file is reported."""
+        text = '[admin]\nlisten = "x"\n[server]\nurl = "http://x/"\n'
+        assert load_error(write(tmp_path, text)).startswith("config error: admin.listen: ")
+
+    def test_env_channels_null(self) -> None:
+        """HL7_AGENT_CHANNELS=null is refused, not taken as "no channels set"."""
+        message = load_error(None, {"HL7_AGENT_CHANNELS": "null"})
+        assert "HL7_AGENT_CHANNELS must be a JSON list of channel objects" in message
+
+    def test_blank_env_channels_keep_the_file_channels(self, tmp_path: Path) -> None:
+        """An empty HL7_AGENT_CHANNELS is not set: the file's channels stay."""
+        settings = load_settings(str(write(tmp_path, MINIMAL)), {"HL7_AGENT_CHANNELS": " "})
+        assert [c.name for c in settings.channels] == ["adt", "lab"]
+
+    def test_section_values_are_text_not_json(self) -> None:
+        """A section variable's value is taken as written, never decoded as JSON."""
+        settings = load_settings(
+            None, {"HL7_AGENT_AGENT__ID": "007", "HL7_AGENT_SERVER__TOKEN": "[1]"}
+        )
+        assert settings.agent.id == "007"
+        assert settings.server.token_value() == "[1]"
+
+    def test_env_over_a_non_table_in_the_file(self, tmp_path: Path) -> None:
+        """A section variable replaces a file's non-table value for that section."""
+        path = write(tmp_path, 'server = "x"\n')
+        settings = load_settings(str(path), {"HL7_AGENT_SERVER__URL": "ws://a:1/"})
+        assert settings.server.url == "ws://a:1/"
+
+
 class TestValues:
     @pytest.mark.parametrize(
         ("text", "seconds"),
