@@ -221,8 +221,10 @@ def main() -> int:
         elif not drained:
             print(f"  the queue did not drain within {args.drain_timeout:.0f} s")
         else:
-            print(f"  drained {drain_s:.1f} s after the senders stopped; all rows processed after "
-                  f"{settle_s:.1f} s" if settled else "  delivered, but not every row was processed in 60 s")
+            without_load = f" ({behind / drain_s:.0f} msg/s without intake load)" if behind > 0 else ""
+            print(f"  drained {drain_s:.1f} s after the senders stopped{without_load}; all rows processed after "
+                  f"{settle_s:.1f} s" if settled else
+                  "  delivered, but not every row was processed in 60 s")
         print(f"  delivery check ({check['order_scope']}): {check['acked']} ACKed, {check['delivered_distinct']} "
               f"delivered, resends {check['resends']}, duplicates {check['duplicates']}, missing "
               f"{check['missing']}, wrong channel {check['wrong_channel']}, out of seq order "
@@ -232,7 +234,8 @@ def main() -> int:
             "machine": info, "args": vars(args), "intake": report, "baseline": [before, after],
             "delivered_per_s": sustained, "delivered_overall_per_s": overall, "baseline_per_s": base,
             "ratio": ratio, "cpu_share": shares, "upstream_summary": summary, "drain_s": drain_s,
-            "settle_s": settle_s, "check": check,
+            "settle_s": settle_s, "drain_after_load_per_s": behind / drain_s if drained and behind > 0 else None,
+            "check": check,
         })
         return 0 if check["ok"] and (args.no_drain or (drained and settled)) else 1
 

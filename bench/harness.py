@@ -210,7 +210,11 @@ class JsonLineServer(Process):
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, name="server-stdout", daemon=True)
         self._reader.start()
-        first = self.wait_line(lambda d: "listening" in d, 20)
+        try:
+            first = self.wait_line(lambda d: "listening" in d, 20)
+        except BaseException:
+            self.stop(5)
+            raise
         self.port = int(first["listening"])
 
     def _read(self) -> None:
