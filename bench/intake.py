@@ -1,103 +1,172 @@
-"""Intake throughput and ACK latency, against a baseline measured in the same run.
+"""Intake: hl7-agent (durable) against python-hl7's non-durable asyncio server, side by side.
 
-    python bench/intake.py [--messages 2000] [--connections 1 4 16]
+    .venv/bin/python bench/intake.py [--connections 16 1] [--rounds 2] [--duration 10] [--warmup 2]
 
-The baseline is what durability costs without group commit: one SQLite
-transaction per message, WAL + synchronous=FULL, on the same disk. The agent
-must beat it once several senders share commits (group commit), while every
-ACK still follows its own row's fsync. Prints numbers; asserts nothing.
+Both servers run at once; the C load generator (bench/loadgen.c) drives one
+of them at a time, alternating A B B A in every round (A = python-hl7's
+``start_hl7_server``: parse + ``create_ack``, nothing stored; B = the daemon
+as a subprocess, ``synchronous = "full"``, ``ack = "commit"``: every AA
+follows its own row's COMMIT, data dir on the disk of the work dir), so a
+drift in machine load hits both alike. Each connection sends serially: a
+message, its ACK, the next one. Reports per connection count the medians of
+msg/s and ACK latency p50/p99, the ratio agent/baseline, the targets next to
+it, and the disk's fsync rate (small write + fsync in a loop on the same file
+system: one commit per message cannot beat it on one connection).
+
+Stops with exit 1 if any run saw a connection error or a non-AA ACK: that
+run measured something else. ``--smoke`` runs a few hundred messages to show
+the bench works; its figures mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sqlite3
-import statistics
 import sys
-import tempfile
-import threading
-import time
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import harness as h
 
-from agenttest import Daemon, MllpClient, ack_code, free_port, hl7_message, toml_config
-
-
-def baseline_one_commit_per_message(directory: Path, count: int, body: bytes) -> float:
-    """Messages per second with one fsync'd transaction each."""
-    conn = sqlite3.connect(directory / "baseline.db", isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
-    conn.execute("CREATE TABLE m (id INTEGER PRIMARY KEY, body BLOB NOT NULL)")
-    started = time.perf_counter()
-    for _ in range(count):
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute("INSERT INTO m (body) VALUES (?)", (body,))
-        conn.execute("COMMIT")
-    elapsed = time.perf_counter() - started
-    conn.close()
-    return count / elapsed
+#: The issue's targets: (minimum msg/s ratio agent/baseline, p99 no worse than the baseline's).
+TARGETS = {16: (2.0, True), 1: (1.0, False)}
 
 
-def run_agent_load(port: int, connections: int, per_connection: int, tag: str) -> tuple[float, list[float]]:
-    latencies: list[float] = []
-    lock = threading.Lock()
-    failures: list[str] = []
+def one_run(kind: str, port: int, pid: int, connections: int, args: argparse.Namespace, prefix: str,
+            profile: Path | None) -> dict[str, Any]:
+    spy = None
+    if profile is not None:
+        spy = h.py_spy(pid, profile, args.warmup + args.duration)
+    try:
+        with h.CpuSampler({"server": pid}) as cpu:
+            report = h.run_loadgen([port], connections, duration=args.duration, count=args.count,
+                                   warmup=args.warmup, prefix=prefix)
+    finally:
+        if spy is not None and spy.proc.wait(args.duration + args.warmup + 60) != 0:
+            print(f"warning: py-spy failed:\n{spy.tail()}", file=sys.stderr)
+    h.check_all_accepted(report, f"{kind} at {connections} connection(s)")
+    report["kind"] = kind
+    report["server_cpu"] = cpu.share("server", report["t_measure_mono"], report["t_end_mono"])
+    report["loadgen_cpu"] = report["cpu_s"] / report["wall_s"] if report["wall_s"] else 0.0
+    return report
 
-    def sender(index: int) -> None:
-        local: list[float] = []
-        with MllpClient(port, timeout=30) as client:
-            for n in range(per_connection):
-                message = hl7_message(f"{tag}-{index}-{n}")
-                t0 = time.perf_counter()
-                ack = client.exchange(message, timeout=30)
-                local.append(time.perf_counter() - t0)
-                if ack_code(ack) != "AA":
-                    failures.append(ack_code(ack))
-        with lock:
-            latencies.extend(local)
 
-    threads = [threading.Thread(target=sender, args=(i,)) for i in range(connections)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - started
-    if failures:
-        raise SystemExit(f"non-AA ACKs during the benchmark: {failures[:5]}")
-    return connections * per_connection / elapsed, latencies
+def summarise(connections: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    def med(kind: str, key: str, sub: str | None = None) -> float:
+        return h.median([r[key][sub] if sub else r[key] for r in runs[kind]])
+
+    out: dict[str, Any] = {"connections": connections}
+    for kind in ("baseline", "agent"):
+        out[kind] = {"msg_per_s": med(kind, "msg_per_s"), "p50_ms": med(kind, "latency_ms", "p50"),
+                     "p99_ms": med(kind, "latency_ms", "p99"), "max_ms": med(kind, "latency_ms", "max"),
+                     "server_cpu": med(kind, "server_cpu"), "loadgen_cpu": med(kind, "loadgen_cpu"),
+                     "runs": len(runs[kind])}
+    out["ratio"] = out["agent"]["msg_per_s"] / out["baseline"]["msg_per_s"]
+    out["p99_ratio"] = out["agent"]["p99_ms"] / out["baseline"]["p99_ms"]
+    target = TARGETS.get(connections)
+    if target is not None:
+        out["target_ratio"] = target[0]
+        out["target_met"] = out["ratio"] >= target[0]
+        if target[1]:
+            out["p99_target_met"] = out["agent"]["p99_ms"] <= out["baseline"]["p99_ms"]
+    return out
+
+
+def print_summary(s: dict[str, Any], fsync: float) -> None:
+    c = s["connections"]
+    print(f"\nintake, {c} connection(s): medians of {s['agent']['runs']} runs per server")
+    print(f"  {'':12} {'msg/s':>9} {'ACK p50 ms':>11} {'ACK p99 ms':>11} {'max ms':>8} {'server CPU':>11}")
+    for kind, label in (("baseline", "python-hl7"), ("agent", "hl7-agent")):
+        r = s[kind]
+        print(f"  {label:12} {r['msg_per_s']:9.0f} {r['p50_ms']:11.2f} {r['p99_ms']:11.2f} {r['max_ms']:8.1f} "
+              f"{r['server_cpu']:10.0%}")
+    line = f"  ratio agent/python-hl7: {s['ratio']:.2f}x"
+    if "target_ratio" in s:
+        line += f"   target >= {s['target_ratio']:.1f}x: {h.verdict(s['target_met'])}"
+    if "p99_target_met" in s:
+        line += (f";  p99 {s['agent']['p99_ms']:.2f} vs {s['baseline']['p99_ms']:.2f} ms, target no worse: "
+                 f"{h.verdict(s['p99_target_met'])}")
+    print(line)
+    if c == 1:
+        print(f"  one fsync per message is the floor on one connection: agent {s['agent']['msg_per_s']:.0f} msg/s "
+              f"against {fsync:.0f} fsync/s on this disk ({s['agent']['msg_per_s'] / fsync:.2f} of it)")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--messages", type=int, default=2000, help="messages per scenario")
-    parser.add_argument("--connections", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--connections", type=int, nargs="+", default=[16, 1])
+    parser.add_argument("--rounds", type=int, default=2, help="A B B A rounds per connection count")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds measured per run")
+    parser.add_argument("--count", type=int, help="messages measured per run, instead of --duration")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds sent before measuring")
+    parser.add_argument("--fsync-seconds", type=float, default=3.0)
+    parser.add_argument("--workdir", help="where the data dir and logs go (default: a temp dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the temp work dir")
+    parser.add_argument("--json", help="write every run and the summary to this file")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after the measured runs, one more agent run at the highest connection count "
+                             "under py-spy record (raw profile into DIR)")
+    parser.add_argument("--smoke", action="store_true", help="a few hundred messages: proves the bench works")
     args = parser.parse_args()
-    body = hl7_message("BASELINE")
-    with tempfile.TemporaryDirectory(prefix="hl7-agent-bench-") as tmp:
-        tmp_path = Path(tmp)
-        base = baseline_one_commit_per_message(tmp_path, min(args.messages, 1000), body)
-        print(f"baseline  one fsync'd commit per message (same disk): {base:8.0f} msg/s")
-        port = free_port()
-        daemon = Daemon(tmp_path, toml_config(tmp_path / "data", [{"name": "adt", "listen": f"127.0.0.1:{port}"}]))
+    h.stop_on_sigterm()
+    if args.smoke:
+        args.count, args.rounds, args.warmup, args.fsync_seconds = args.count or 300, 1, 0.0, 0.2
+    if args.count:
+        args.duration = None
+    if args.profile and args.duration is None:
+        parser.error("--profile needs --duration")
+
+    with h.workdir(args.workdir, args.keep) as wd:
+        info = h.machine(wd)
+        h.print_machine(info)
+        fsync = [h.fsync_rate(wd, args.fsync_seconds)]
+        print(f"fsync rate on the data disk: {fsync[0]:.0f}/s", flush=True)
+        channel = {"name": "adt", "listen": f"127.0.0.1:{h.free_port()}", "ack": "commit",
+                   "max_connections": max(64, max(args.connections) + 8)}
+        baseline = h.start_baseline(wd)
+        agent = h.Agent(wd, h.agent_config(wd / "data", [channel], admin_port=h.free_port()))
+        results: dict[str, Any] = {"machine": info, "args": vars(args), "runs": [], "summary": []}
         try:
-            daemon.start().wait_started()
-            for conns in args.connections:
-                per = max(1, args.messages // conns)
-                rate, lat = run_agent_load(port, conns, per, f"c{conns}")
-                lat.sort()
-                p50 = statistics.median(lat) * 1000
-                p99 = lat[int(len(lat) * 0.99) - 1] * 1000
-                print(f"agent     {conns:3d} connection(s): {rate:8.0f} msg/s  ACK p50 {p50:6.2f} ms  "
-                      f"p99 {p99:6.2f} ms  ({rate / base:4.1f}x baseline)")
+            ready = agent.wait_ready()
+            print(f"agent ready in {ready['readyz_s']:.2f} s (pid {agent.pid}); baseline pid {baseline.pid}",
+                  flush=True)
+            servers = {"baseline": (baseline.port, baseline.pid), "agent": (h.channel_ports([channel])[0], agent.pid)}
+            for connections in args.connections:
+                runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "agent": []}
+                for rnd in range(args.rounds):
+                    for kind in ("baseline", "agent", "agent", "baseline"):
+                        port, pid = servers[kind]
+                        prefix = f"{kind[0]}{connections}.{len(results['runs'])}"
+                        report = one_run(kind, port, pid, connections, args, prefix, None)
+                        report["round"] = rnd
+                        runs[kind].append(report)
+                        results["runs"].append(report)
+                        lat = report["latency_ms"]
+                        print(f"  round {rnd + 1} {kind:8} c={connections:<3} {report['msg_per_s']:8.0f} msg/s  "
+                              f"p50 {lat['p50']:6.2f}  p99 {lat['p99']:6.2f}  max {lat['max']:7.1f} ms  "
+                              f"server CPU {report['server_cpu']:4.0%}  loadgen CPU {report['loadgen_cpu']:4.0%}",
+                              flush=True)
+                results["summary"].append(summarise(connections, runs))
+            if args.profile:
+                # One more agent run under py-spy, not counted: sampling slows the process.
+                connections = max(args.connections)
+                profile = Path(args.profile) / f"intake-agent-c{connections}.txt"
+                port, pid = servers["agent"]
+                report = one_run("agent", port, pid, connections, args, f"p{connections}", profile)
+                print(f"  profiled run (not counted) c={connections}: {report['msg_per_s']:.0f} msg/s; "
+                      f"py-spy raw profile in {profile}", flush=True)
         finally:
-            daemon.stop()
-    print(f"(cpu count {os.cpu_count()}, synchronous=FULL, every ACK after its commit)")
+            baseline.stop()
+            agent.stop()
+        fsync.append(h.fsync_rate(wd, args.fsync_seconds))
+        results["fsync_per_s"] = fsync
+        for s in results["summary"]:
+            print_summary(s, h.median(fsync))
+        print(f"\nfsync rate on the data disk ({info['disk']}): before {fsync[0]:.0f}/s, after {fsync[1]:.0f}/s")
+        print("baseline: python-hl7 start_hl7_server, hl7.parse + create_ack, nothing stored; "
+              "agent: synchronous=FULL, ACK after COMMIT")
+        h.write_json(args.json, results)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

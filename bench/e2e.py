@@ -1,0 +1,244 @@
+"""End to end: intake plus dispatch over the WebSocket to a local protocol-v1 server.
+
+    .venv/bin/python bench/e2e.py [--channels 4] [--connections 16] [--duration 10] [--warmup 2]
+                                  [--server-delay MS] [--max-in-flight N [--partition-key PID-3.1]]
+
+The daemon (``synchronous = "full"``, ``ack = "commit"``) takes ``--connections``
+senders spread over ``--channels`` channels from the C load generator and
+forwards to bench/upstream_server.py, a minimal server in its own process
+that answers every transmit at once (or after ``--server-delay``); its CPU
+share is printed to show it is not the bottleneck. The figure is the
+sustained delivery rate: transmits the server received per second during
+the measured window (after the warm-up, while the senders are sending). Then
+it waits for the queue to drain and checks every ACKed message was delivered
+exactly once (one id, one attempt), in its channel (or partition key) in
+order of seq and, per sender connection, of MSH-10. python-hl7's intake rate
+(bench/baseline_server.py, the same senders on one port) is measured before
+and after in the same run; the ratio is delivered / baseline.
+
+``--max-in-flight`` (with ``--partition-key``, default PID-3.1, and
+``--patients`` distinct PID-3.1 values) sets the partitioned-channel keys;
+an hl7-agent without them is refused with the configuration error. Exit 1
+when a run saw sender errors or the delivery check failed. ``--smoke``:
+a few hundred messages, to show the bench works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import harness as h
+
+TARGET_RATIO = 1.0
+
+
+def baseline_rate(wd: Path, args: argparse.Namespace, tag: str) -> dict[str, Any]:
+    server = h.start_baseline(wd)
+    try:
+        report = h.run_loadgen([server.port], args.connections, duration=args.duration, count=args.count,
+                               warmup=args.warmup, prefix=f"b{tag}")
+    finally:
+        server.stop()
+    h.check_all_accepted(report, f"python-hl7 baseline ({tag})")
+    return report
+
+
+def verify(records: list[tuple[float, str, int, int, str, str, str]], report: dict[str, Any],
+           channel_of_port: dict[int, str], partitioned: bool, drained: bool) -> dict[str, Any]:
+    """Delivered once, to the right channel, in order; everything ACKed arrived (when drained)."""
+    acked = h.acked_control_ids(report)
+    ids_per_cid: dict[str, set[str]] = defaultdict(set)
+    attempts = Counter(mid for _, _, _, _, _, mid, _ in records)
+    wrong_channel = seq_disorder = sender_disorder = 0
+    last_seq: dict[tuple[str, str], int] = {}
+    last_n: dict[int, int] = {}
+    seqs: dict[str, list[int]] = defaultdict(list)
+    for _t, channel, seq, attempt, cid, mid, pid3 in records:
+        ids_per_cid[cid].add(mid)
+        if attempt > 1:
+            continue
+        seqs[channel].append(seq)
+        key = (channel, pid3 if partitioned else "")
+        if seq <= last_seq.get(key, 0):
+            seq_disorder += 1
+        last_seq[key] = max(seq, last_seq.get(key, 0))
+        where = acked.get(cid)
+        if where is None:
+            continue
+        conn, n = where
+        if channel_of_port[report["per_connection"][conn]["port"]] != channel:
+            wrong_channel += 1
+        if not partitioned:
+            if n <= last_n.get(conn, -1):
+                sender_disorder += 1
+            last_n[conn] = n
+    missing = [cid for cid in acked if cid not in ids_per_cid]
+    gaps = sum(1 for ch, s in seqs.items() if sorted(s) != list(range(1, len(s) + 1))) if drained else 0
+    result = {
+        "acked": len(acked),
+        "delivered_distinct": len(ids_per_cid),
+        "transmits": len(records),
+        "resends": sum(n - 1 for n in attempts.values()),
+        "duplicates": sum(1 for ids in ids_per_cid.values() if len(ids) > 1),
+        "missing": len(missing) if drained else None,
+        "unexpected": sum(1 for cid in ids_per_cid if cid not in acked),
+        "wrong_channel": wrong_channel,
+        "seq_disorder": seq_disorder,
+        "sender_disorder": sender_disorder,
+        "channels_with_seq_gaps": gaps,
+        "order_scope": "partition key (channel, PID-3.1)" if partitioned else "channel",
+    }
+    result["ok"] = not (result["resends"] or result["duplicates"] or (drained and missing) or wrong_channel
+                        or seq_disorder or sender_disorder or gaps)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--channels", type=int, default=4)
+    parser.add_argument("--connections", type=int, default=16, help="sender connections, spread over the channels")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds measured")
+    parser.add_argument("--count", type=int, help="messages measured, instead of --duration")
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--server-delay", type=float, default=0.0, metavar="MS",
+                        help="the upstream server answers each transmit after this many ms")
+    parser.add_argument("--max-in-flight", type=int, help="per-channel max_in_flight (partitioned channels)")
+    parser.add_argument("--partition-key", default="PID-3.1", help="partition_key with --max-in-flight")
+    parser.add_argument("--patients", type=int, help="distinct PID-3.1 values (default 256 with --max-in-flight)")
+    parser.add_argument("--drain-timeout", type=float, default=600.0, help="longest wait for the queue to drain")
+    parser.add_argument("--no-drain", action="store_true", help="stop after the window; check only what arrived")
+    parser.add_argument("--workdir")
+    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--json")
+    parser.add_argument("--profile", metavar="DIR", help="py-spy record the agent during the load")
+    parser.add_argument("--smoke", action="store_true", help="a few hundred messages: proves the bench works")
+    args = parser.parse_args()
+    h.stop_on_sigterm()
+    if args.smoke:
+        args.count, args.warmup = args.count or 300, 0.0
+    if args.count:
+        args.duration = None
+    if args.profile and args.duration is None:
+        parser.error("--profile needs --duration")
+    partitioned = args.max_in_flight is not None
+    patients = args.patients if args.patients is not None else (256 if partitioned else 0)
+
+    with h.workdir(args.workdir, args.keep) as wd:
+        info = h.machine(wd)
+        h.print_machine(info)
+        extra: dict[str, Any] = {"max_connections": max(64, args.connections + 8)}
+        if partitioned:
+            extra.update(partition_key=args.partition_key, max_in_flight=args.max_in_flight)
+        channels = h.channels_on_ports(args.channels, **extra)
+        ports = h.channel_ports(channels)
+        channel_of_port = {p: str(c["name"]) for p, c in zip(ports, channels, strict=True)}
+        admin_port = h.free_port()
+        if partitioned:
+            config = h.agent_config(wd / "data", channels, admin_port=admin_port, server_url="ws://127.0.0.1:1/agent")
+            code, text = h.check_config(config, wd)
+            if code != 0:
+                print(f"e2e: --max-in-flight needs the channel keys partition_key and max_in_flight "
+                      f"(partitioned channels), which this hl7-agent refuses:\n  {text}", file=sys.stderr)
+                return 2
+
+        before = baseline_rate(wd, args, "0")
+        print(f"python-hl7 intake before: {before['msg_per_s']:.0f} msg/s", flush=True)
+
+        upstream = h.Upstream(wd, delay_ms=args.server_delay, records=wd / "records.tsv")
+        agent = h.Agent(wd, h.agent_config(wd / "data", channels, admin_port=admin_port, server_url=upstream.url))
+        spy = None
+        drained = settled = False
+        drain_s = settle_s = float("nan")
+        try:
+            agent.wait_ready()
+            upstream.wait_session()
+            if args.profile:
+                spy = h.py_spy(agent.pid, Path(args.profile) / "e2e-agent.txt", args.warmup + args.duration)
+            with h.CpuSampler({"upstream": upstream.pid, "agent": agent.pid}) as cpu:
+                report = h.run_loadgen(ports, args.connections, duration=args.duration, count=args.count,
+                                       warmup=args.warmup, prefix="e", patients=patients)
+                h.check_all_accepted(report, "hl7-agent intake")
+                total = report["acked"]
+                load_end = time.monotonic()
+                if not args.no_drain:
+                    drained = upstream.wait_received(total, args.drain_timeout)
+                    drain_s = time.monotonic() - load_end
+                    deadline = time.monotonic() + 60
+                    while drained and time.monotonic() < deadline:
+                        if agent.queue_stats()["states"]["processed"] >= total:
+                            settled = True
+                            settle_s = time.monotonic() - load_end
+                            break
+                        time.sleep(0.5)
+            if spy is not None:
+                spy.proc.wait(60)
+            t0, t1 = report["t_measure_mono"], report["t_measure_mono"] + report["window_s"]
+            shares = {name: cpu.share(name, t0, t1) for name in ("upstream", "agent")}
+        finally:
+            agent.stop()
+            summary = upstream.stop_and_collect()
+        records = upstream.read_records()
+
+        after = baseline_rate(wd, args, "1")
+        print(f"python-hl7 intake after: {after['msg_per_s']:.0f} msg/s", flush=True)
+
+        window = report["window_s"]
+        in_window = sum(1 for r in records if r[3] == 1 and t0 <= r[0] <= t1)
+        sustained = in_window / window
+        last = max((r[0] for r in records), default=report["t_start_mono"])
+        overall = len({r[5] for r in records}) / (last - report["t_start_mono"]) if records else 0.0
+        behind = report["acked"] - sum(1 for r in records if r[3] == 1 and r[0] <= report["t_end_mono"])
+        base = h.median([before["msg_per_s"], after["msg_per_s"]])
+        ratio = sustained / base
+        check = verify(records, report, channel_of_port, partitioned, drained)
+        lat = report["latency_ms"]
+
+        mode = f"max_in_flight {args.max_in_flight}, partition_key {args.partition_key}" if partitioned else \
+            "one in flight per channel"
+        print(f"\ne2e: {args.channels} channel(s), {args.connections} senders, server answers after "
+              f"{args.server_delay:g} ms, {mode}")
+        print(f"  intake (ACKed by the agent)        {report['msg_per_s']:8.0f} msg/s   ACK p50 {lat['p50']:.2f} ms, "
+              f"p99 {lat['p99']:.2f} ms")
+        print(f"  delivered, steady state            {sustained:8.0f} msg/s   ({in_window} transmits received in "
+              f"the {window:.1f} s window)")
+        print(f"  delivered, first byte to last      {overall:8.0f} msg/s   (queue behind by {behind} when the "
+              f"senders stopped)")
+        print(f"  python-hl7 intake, same run        {base:8.0f} msg/s   (before {before['msg_per_s']:.0f}, after "
+              f"{after['msg_per_s']:.0f})")
+        print(f"  ratio delivered/python-hl7: {ratio:.2f}x   target >= {TARGET_RATIO:.1f}x: "
+              f"{h.verdict(ratio >= TARGET_RATIO)}")
+        print(f"  CPU in the window: upstream server {shares['upstream']:.0%} of one core, agent "
+              f"{shares['agent']:.0%}, load generator {report['cpu_s'] / report['wall_s']:.0%}")
+        if shares["upstream"] > 0.8:
+            print("  warning: the upstream server used most of a core: it may be the bottleneck")
+        if args.no_drain:
+            print("  drain skipped (--no-drain): only what arrived was checked")
+        elif not drained:
+            print(f"  the queue did not drain within {args.drain_timeout:.0f} s")
+        else:
+            without_load = f" ({behind / drain_s:.0f} msg/s without intake load)" if behind > 0 else ""
+            print(f"  drained {drain_s:.1f} s after the senders stopped{without_load}; all rows processed after "
+                  f"{settle_s:.1f} s" if settled else
+                  "  delivered, but not every row was processed in 60 s")
+        print(f"  delivery check ({check['order_scope']}): {check['acked']} ACKed, {check['delivered_distinct']} "
+              f"delivered, resends {check['resends']}, duplicates {check['duplicates']}, missing "
+              f"{check['missing']}, wrong channel {check['wrong_channel']}, out of seq order "
+              f"{check['seq_disorder']}, out of sender order {check['sender_disorder']}: "
+              f"{'OK' if check['ok'] else 'FAILED'}")
+        h.write_json(args.json, {
+            "machine": info, "args": vars(args), "intake": report, "baseline": [before, after],
+            "delivered_per_s": sustained, "delivered_overall_per_s": overall, "baseline_per_s": base,
+            "ratio": ratio, "cpu_share": shares, "upstream_summary": summary, "drain_s": drain_s,
+            "settle_s": settle_s, "drain_after_load_per_s": behind / drain_s if drained and behind > 0 else None,
+            "check": check,
+        })
+        return 0 if check["ok"] and (args.no_drain or (drained and settled)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
