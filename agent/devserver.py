@@ -8,8 +8,9 @@ against itself.
 Behaviour: bearer-token check in the HTTP upgrade (401 otherwise), hello ->
 welcome, and for each transmit either the remembered 2xx answer (when
 ``replay``; re-stamped with the current attempt), the answer a ``decide``
-callback scripts (status, ack, delay, or ``None`` = never answer), or by
-default 200 with an AA built from the message's own MSH.
+callback scripts (status, ack, delay, a close instead of the answer, or
+``None`` = never answer), or by default 200 with an AA built from the
+message's own MSH.
 
 Lease epochs (``track_epochs``, on by default): the highest epoch seen is
 kept per (agent_id, queue_id), in memory. A hello below it is refused (an
@@ -67,11 +68,17 @@ EPOCH_REFUSED = 4001
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """What the server says to one transmit: a status, an optional ACK, after ``delay`` seconds."""
+    """What the server says to one transmit: a status, an optional ACK, after ``delay`` seconds.
+
+    ``close``: instead of writing the answer, close the session (1011) — the
+    answer lost on the way. A 2xx is remembered first (processed, then the
+    connection broke), so a replaying server answers the resend from memory.
+    """
 
     status: int
     ack: str | None = None
     delay: float = 0
+    close: bool = False
 
 
 Decide = Callable[[Transmit], Awaitable[Answer | None]]
@@ -423,6 +430,10 @@ class DevServer:
                 # Remembered once processed, even if the answer is then lost:
                 # that is what makes a resend after a broken connection safe.
                 self.answered[t.id] = response
+            if answer.close:
+                # RFC 6455 section 7.4.1: 1011, the server hit a condition it cannot handle.
+                await ws.close(1011, "scripted close")
+                return
         try:
             await ws.send(response.to_json())
         except ConnectionClosed:

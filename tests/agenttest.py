@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Coroutine, Iterable, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -395,3 +396,137 @@ async def until(predicate: Callable[[], Any], timeout: float = 10.0, what: str =
 def log_events(logs: list[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
     """Entries of ``structlog.testing.capture_logs()`` with this event name."""
     return [entry for entry in logs if entry["event"] == name]
+
+
+# -- Kill-loop helpers: a sender that resends like an interface engine ---------------------------
+#
+# Kept as one block of their own (tests/system/test_kill_loop.py uses them); nothing above
+# depends on it.
+
+#: MSA-1 codes that end a sender's retransmits (HL7 table 0008: AA original, CA enhanced mode).
+ACCEPT_CODES = frozenset({"AA", "CA"})
+#: Enhanced-mode commit ACK codes (HL7 table 0008); AA/AE/AR there are application ACKs.
+COMMIT_ACK_CODES = frozenset({"CA", "CE", "CR"})
+
+
+@dataclass(frozen=True, slots=True)
+class AckSeen:
+    """One ACK frame a sender read: whose (MSA-2), commit or application level, MSA-1, ERR-3."""
+
+    control_id: str
+    level: str  # "commit" or "application"
+    code: str
+    error: str
+    at: float  # time.monotonic() when it was read
+
+
+class ResendingSender(threading.Thread):
+    """A sender like a real interface engine: one connection, unique messages, resend until accepted.
+
+    Each message gets a new MSH-10 (``<name><n>``, MSH-3 = the name in upper case). On any
+    failure — connection refused or reset, no ACK within ``ack_timeout``, a non-accept code —
+    it reconnects if needed and resends the *same bytes* until it reads AA/CA for that control
+    id; only then does it go on to the next message. ``stop()`` lets the current message
+    finish that way, then the thread ends. ``enhanced`` senders set MSH-15/16 = AL and so
+    also read the relayed application ACKs, which may arrive between commit ACKs.
+    """
+
+    def __init__(self, name: str, port: int, *, enhanced: bool = False, pace: float = 0.05,
+                 ack_timeout: float = 5.0, give_up_after: float = 90.0) -> None:
+        super().__init__(name=f"sender-{name}", daemon=True)
+        self.sender = name
+        self.port = port
+        self.enhanced = enhanced
+        self.pace = pace
+        self.ack_timeout = ack_timeout
+        self.give_up_after = give_up_after
+        self._stop_sending = threading.Event()
+        self._client: MllpClient | None = None
+        self.accepted: list[str] = []  # control ids in send order, each accepted
+        self.frames_written = 0  # every write of a message's bytes, resends included
+        self.failures: dict[str, int] = {}  # refused / reset / no_ack / <MSA-1 code> -> count
+        self.acks: list[AckSeen] = []  # every ACK frame read, in arrival order
+        self.stray: list[AckSeen] = []  # commit-level ACKs for another control id than the current one
+        self.error: BaseException | None = None
+        #: Set while a written message waits for its commit ACK (a kill point for the loop).
+        self.awaiting_ack = threading.Event()
+
+    def message(self, n: int) -> tuple[str, bytes]:
+        control_id = f"{self.sender}{n:06d}"
+        mode = "AL" if self.enhanced else ""
+        return control_id, hl7_message(control_id, pid=str(100000 + n), sending_app=self.sender.upper(),
+                                       msh15=mode, msh16=mode)
+
+    def stop(self) -> None:
+        self._stop_sending.set()
+
+    def run(self) -> None:
+        try:
+            n = 0
+            while not self._stop_sending.is_set():
+                n += 1
+                control_id, message = self.message(n)
+                self._deliver(control_id, message)
+                self.accepted.append(control_id)
+                self._stop_sending.wait(self.pace)  # the sender's own rate, not a synchronisation
+        except Exception as exc:  # noqa: BLE001 - kept for the test, which joins the thread and reports it
+            self.error = exc
+        finally:
+            self._disconnect()
+
+    def _fail(self, why: str) -> None:
+        self.failures[why] = self.failures.get(why, 0) + 1
+
+    def _disconnect(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _deliver(self, control_id: str, message: bytes) -> None:
+        deadline = time.monotonic() + self.give_up_after
+        while True:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{control_id} not accepted within {self.give_up_after}s "
+                                     f"(failures so far: {self.failures})")
+            if self._client is None:
+                try:
+                    self._client = MllpClient(self.port, timeout=self.ack_timeout)
+                except OSError:
+                    self._fail("refused")
+                    time.sleep(0.02)  # reconnect backoff of the sender, not a synchronisation
+                    continue
+            try:
+                self._client.send(message)
+                self.frames_written += 1
+                self.awaiting_ack.set()
+                code = self._read_commit_ack(control_id)
+            except TimeoutError:
+                self._fail("no_ack")
+                self._disconnect()
+                continue
+            except OSError:  # ConnectionError (closed, reset) included
+                self._fail("reset")
+                self._disconnect()
+                continue
+            finally:
+                self.awaiting_ack.clear()
+            if code in ACCEPT_CODES:
+                return
+            self._fail(code or "no_msa")
+            time.sleep(0.05)  # "resend later" backoff of the sender, not a synchronisation
+
+    def _read_commit_ack(self, control_id: str) -> str:
+        """Read frames until the commit-level ACK for ``control_id``; record application ACKs on the way."""
+        assert self._client is not None
+        while True:
+            ack = self._client.read_ack()
+            code = ack_code(ack)
+            level = "application" if self.enhanced and code not in COMMIT_ACK_CODES else "commit"
+            seen = AckSeen(msa2(ack), level, code, err3(ack), time.monotonic())
+            self.acks.append(seen)
+            if level == "application":
+                continue
+            if seen.control_id != control_id:
+                self.stray.append(seen)
+                continue
+            return code
