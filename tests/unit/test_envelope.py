@@ -7,6 +7,7 @@ from collections.abc import Callable
 import hl7
 import pytest
 
+from agent import envelope
 from agent.envelope import (
     Envelope,
     MalformedMsh,
@@ -226,18 +227,27 @@ class TestResolveCodec:
             ("SJIS", "cp932"),
             ("GB 18030-2000", "gb18030"),
             ("BIG-5", "big5"),
+            ("KS X 1001", "euc_kr"),
             ("latin-1", "iso8859-1"),
-            ("cp1252", "cp1252"),
+            ("ISO-8859-1", "iso8859-1"),
+            ("l1", "iso8859-1"),
+            ("latin9", "iso8859-15"),
+            ("utf8", "utf-8"),
+            ("US-ASCII", "ascii"),
+            ("shift_jis", "shift_jis"),
+            ("ms932", "cp932"),
+            ("euc-kr", "euc_kr"),
+            ("iso-2022-jp", "iso2022_jp"),
         ],
     )
     def test_msh18_names(self, name: str, codec: str) -> None:
-        """Table 0211 names and Python codec names map to a Python codec."""
+        """Table 0211 names and Python names of those same encodings map to a Python codec."""
         assert resolve_codec(name, "utf-8") == codec
 
     def test_empty_msh18_uses_channel(self) -> None:
         """Without MSH-18 the channel encoding decides, itself a 0211 or Python name."""
         assert resolve_codec("", "8859/1") == "iso8859-1"
-        assert resolve_codec("  ", "cp1252") == "cp1252"
+        assert resolve_codec("  ", "latin-1") == "iso8859-1"
         assert resolve_codec("", "") == "utf-8"
         assert resolve_codec("", "utf-8") == "utf-8"
 
@@ -246,28 +256,51 @@ class TestResolveCodec:
         assert resolve_codec("8859/1", "utf-8") == "iso8859-1"
 
     @pytest.mark.parametrize(
-        "name",
-        [
-            "UNICODE",
-            "UNICODE UTF-16",
-            "UNICODE UTF-32",
-            "utf-16",
-            "UTF-16LE",
-            "utf_32",
-            "utf-7",
-            "cp500",
-            "rot13",
-            "NO-SUCH-CHARSET",
-            "KLINGON",
-        ],
+        "name", ["UNICODE", "UNICODE UTF-16", "UNICODE UTF-32", "utf-16", "UTF-16LE", "utf_32", "u16"]
     )
-    def test_rejected(self, name: str) -> None:
-        """UTF-16/32, non-ASCII-compatible and unknown names raise UnsupportedCharset 102."""
+    def test_wide_encodings_forbidden(self, name: str) -> None:
+        """UTF-16/32, by table 0211 or Python name, raise UnsupportedCharset 102: HL7 forbids them with MLLP."""
         with pytest.raises(UnsupportedCharset) as info:
             resolve_codec(name, "utf-8")
         assert info.value.error_code == 102
         with pytest.raises(UnsupportedCharset):
             resolve_codec("", name)
+
+    @pytest.mark.parametrize(
+        "name",
+        [
+            # Python codecs that are transforms, not character sets: each one
+            # broke ACK building or decoding when MSH-18 named it.
+            "idna", "punycode", "rot13", "rot_13", "base64", "zlib", "uu", "hex", "bz2", "quopri",
+            "raw_unicode_escape", "unicode_escape", "undefined", "mbcs", "oem",
+            # Not ASCII-compatible, or no table 0211 encoding.
+            "utf-7", "cp500", "cp1252", "koi8-r", "mac-roman",
+            # Not names at all.
+            "NO-SUCH-CHARSET", "KLINGON", "utf-8\x00", "\x00", "a\x00b", "UTF\x1c8", "8859/\x0b1",
+            "x" * 100, "../../etc", "ut\u00f6f-8",
+        ],
+    )
+    def test_unknown_names_are_table_value_not_found(self, name: str) -> None:
+        """Anything else (transforms, other codecs, NULs, junk) raises UnsupportedCharset 103, never another error."""
+        with pytest.raises(UnsupportedCharset) as info:
+            resolve_codec(name, "utf-8")
+        assert info.value.error_code == 103
+        with pytest.raises(UnsupportedCharset):
+            resolve_codec("", name)
+
+    def test_error_text_is_bounded_and_escaped(self) -> None:
+        """The name in the reject text (MSA-3, logs) is cut short and has no raw control characters."""
+        with pytest.raises(UnsupportedCharset) as info:
+            resolve_codec("\x1c\x0b\r" + "z" * 10_000, "utf-8")
+        assert len(info.value.text) < 100
+        assert not set(info.value.text) & {"\x1c", "\x0b", "\r"}
+
+    def test_text_codecs_are_all_ascii_compatible(self) -> None:
+        """Every codec intake can ever decode with encodes the MLLP framing and the delimiters as ASCII."""
+        structure = "MSH|^~\\&\r\n\x0b\x1c 09AZaz"
+        for codec in envelope.TEXT_CODECS:
+            assert structure.encode(codec) == structure.encode("ascii"), codec
+            assert envelope.text_codec(codec) == codec
 
 
 class TestDecodeMessage:
