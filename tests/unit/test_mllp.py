@@ -16,7 +16,9 @@ from agent.mllp import (
     JunkSkipped,
     MllpDecoder,
     OversizeFrame,
+    encode_ack_frame,
     encode_frame,
+    frame_safe,
 )
 
 MSG1 = b"MSH|^~\\&|A|B|C|D|20240101||ADT^A01|1|P|2.5\rPID|1||42\r"
@@ -55,6 +57,28 @@ class TestEncode:
         assert decoder.feed(encode_frame(MSG1)) == [Frame(MSG1)]
         assert not decoder.mid_frame
         assert decoder.buffered_bytes() == 0
+
+
+class TestAckFrames:
+    @pytest.mark.parametrize(
+        "ack",
+        [b"MSH|^~\\&|A\x1c\rMSA|AA|1\r", b"MSH|\x0bMSA|AA\r", b"\x1c\r\x1c\r", b"MSH|A\x1c", b"\x0b", b""],
+    )
+    def test_encode_ack_frame_is_always_exactly_one_frame(self, ack: bytes) -> None:
+        """Whatever an ACK holds (a relayed server text, a row from an older version), one frame and no junk goes out."""
+        wire = encode_ack_frame(ack)
+        events = MllpDecoder(1 << 20).feed(wire)
+        assert len(events) == 1 and isinstance(events[0], Frame), events
+        assert events[0].payload == ack.replace(b"\x0b", b"").replace(b"\x1c", b"")
+
+    def test_frame_safe_keeps_clean_payloads_as_they_are(self) -> None:
+        """An ACK without block bytes is written byte for byte (the same object, no copy)."""
+        assert frame_safe(MSG1) is MSG1
+        assert frame_safe(b"a\x1cb\x0bc") == b"abc"
+
+    def test_encode_frame_stays_byte_exact_for_relaying_sender_frames(self) -> None:
+        """encode_frame (re-framing what a sender sent, for a hand-over) keeps an FS that is payload."""
+        assert MllpDecoder(1 << 20).feed(encode_frame(MSG2_SAFE)) == [Frame(MSG2_SAFE)]
 
 
 class TestSplitting:
