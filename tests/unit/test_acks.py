@@ -380,8 +380,8 @@ class TestFramingBytesNeverInAnAck:
         assert ack.endswith(b"\r") and b"\n" not in ack
 
     def test_fs_at_the_end_of_msh12_is_hex_escaped(self) -> None:
-        """MSH-12 ``2.5.1<FS>`` (payload: no CR after it) comes back as ``2.5.1\\X1C\\``; the ACK keeps its MSA."""
-        inbound = read_msh(b"MSH|^~\\&|A|B|C|D|20260101||ADT^A01|X1|P|2.5.1\x1c\rPID|1\r")
+        """MSH-12 ``2.5.1<FS>`` (payload: LF, not CR, after it) comes back as ``2.5.1\\X1C\\``; the ACK keeps its MSA."""
+        inbound = read_msh(b"MSH|^~\\&|A|B|C|D|20260101||ADT^A01|X1|P|2.5.1\x1c\nPID|1\n")
         ack = build_ack(inbound, AckCode.AA, now=NOW)
         self.assert_clean(ack)
         msh, msa = segments(ack)
