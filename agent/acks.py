@@ -157,7 +157,8 @@ class _Delims:
     """The delimiters an ACK is written with, and HL7 escaping (HL7 2.5 ch. 2.7)."""
 
     def __init__(self, field_sep: str, encoding_chars: str) -> None:
-        if any(ch in _FRAMING_CHARS for ch in field_sep + encoding_chars) or len(field_sep) != 1:
+        delimiters = field_sep + encoding_chars
+        if len(field_sep) != 1 or not delimiters.isascii() or any(ch in _FRAMING_CHARS for ch in delimiters):
             # read_msh never lets these through; an Envelope built by hand might.
             field_sep, encoding_chars = DEFAULT_FIELD_SEP, DEFAULT_ENCODING_CHARS
         effective = encoding_chars + DEFAULT_ENCODING_CHARS[len(encoding_chars) :]

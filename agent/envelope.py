@@ -156,9 +156,19 @@ def _split_msh(data: bytes) -> tuple[str, int]:
     return data[start:end].decode("latin-1"), start
 
 
+def _usable_delimiter(ch: str) -> bool:
+    """Printable ASCII punctuation (HL7 2.5 ch. 2.5.4 recommends ``|^~\\&``).
+
+    A byte above 0x7E would be written back as two bytes in a UTF-8 ACK (or be
+    part of a multi-byte character), a control byte is no visible delimiter;
+    either makes an ACK the sender cannot split.
+    """
+    return "!" <= ch <= "~" and not ch.isalnum()
+
+
 def _check_separators(field_sep: str, encoding_chars: str) -> None:
     """Raise MalformedMsh when MSH-1/MSH-2 cannot serve as delimiters (HL7 2.5 ch. 2.5.4)."""
-    if not field_sep or field_sep.isalnum() or field_sep.isspace():
+    if not field_sep or not _usable_delimiter(field_sep):
         raise MalformedMsh(f"MSH-1 field separator {field_sep!r} is unusable", error_code=102)
     if not encoding_chars:
         raise MalformedMsh("MSH-2 encoding characters missing", error_code=101)
@@ -168,7 +178,7 @@ def _check_separators(field_sep: str, encoding_chars: str) -> None:
     # set must still be distinct, non-alphanumeric and not the field separator.
     effective = encoding_chars + DEFAULT_ENCODING_CHARS[len(encoding_chars) :]
     for ch in effective:
-        if ch.isalnum() or ch.isspace() or ch == field_sep:
+        if not _usable_delimiter(ch) or ch == field_sep:
             raise MalformedMsh(f"MSH-2 encoding character {ch!r} is unusable", error_code=102)
     if len(set(effective)) != len(effective):
         raise MalformedMsh("MSH-2 encoding characters are not distinct", error_code=102)

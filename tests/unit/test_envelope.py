@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import encodings.aliases
+import random
 from collections.abc import Callable
 
 import hl7
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from intakefuzz import CHARSET_VALUES, CORPUS, mutate
 
 from agent import envelope
 from agent.envelope import (
@@ -165,6 +170,13 @@ class TestReadMshErrors:
             (b"MSH|^~|&|A|B|C|D|||ADT^A01|1|P|2.5", 101),  # MSH-12 then misaligned/missing
             (b"MSH|a~\\&|A|B|C|D|||ADT^A01|1|P|2.5", 102),
             (b"MSH|^~\\&xx|A|B|C|D|||ADT^A01|1|P|2.5", 102),
+            # Found by the property tests: a non-ASCII or control byte as a
+            # delimiter made a reject ACK whose separator was two bytes in UTF-8.
+            (b"MSH\x80\x00", 102),
+            (b"MSH\x80^~\\&\x80A\x80B\x80C\x80D\x80\x80\x80ADT^A01\x801\x80P\x802.5", 102),
+            (b"MSH|^~\\\xe9|A|B|C|D|||ADT^A01|1|P|2.5", 102),
+            (b"MSH|^\x00\\&|A|B|C|D|||ADT^A01|1|P|2.5", 102),
+            (b"MSH\x7f^~\\&\x7fA", 102),
         ],
     )
     def test_unusable_separators(self, data: bytes, code: int) -> None:
@@ -394,3 +406,75 @@ class TestEnvelopeProperties:
         assert isinstance(env, Envelope)
         with pytest.raises(AttributeError):
             env.control_id = "2"  # type: ignore[misc]
+
+
+# -- properties (hypothesis) ---------------------------------------------------
+
+PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+MUTATED = st.builds(
+    lambda seed, index, steps: mutate(random.Random(seed), CORPUS[index % len(CORPUS)], steps),
+    st.integers(0, 2**32 - 1), st.integers(0, len(CORPUS) - 1), st.integers(0, 8),
+)
+ANY_FRAME = st.one_of(MUTATED, st.binary(max_size=400), st.binary(max_size=200).map(lambda b: b"MSH" + b))
+
+
+class TestMshReaderProperties:
+    @PROPERTY
+    @given(ANY_FRAME)
+    def test_read_msh_raises_only_envelope_errors(self, payload: bytes) -> None:
+        """Any bytes: an Envelope with usable delimiters, or NoMshSegment / MalformedMsh (101/102), nothing else."""
+        malformed: MalformedMsh | None = None
+        try:
+            env: Envelope | None = read_msh(payload)
+        except NoMshSegment:
+            assert not payload.lstrip(b"\xef\xbb\xbf").lstrip(b"\r\n \t").startswith(b"MSH")
+            return
+        except MalformedMsh as exc:
+            malformed, env = exc, exc.partial
+        if malformed is not None:
+            assert malformed.error_code in (101, 102)
+        if env is None:
+            return
+        for ch in env.field_sep + env.encoding_chars:
+            assert "!" <= ch <= "~" and not ch.isalnum()
+        assert "\r" not in env.control_id and "\n" not in env.control_id
+
+    @PROPERTY
+    @given(ANY_FRAME)
+    def test_helpers_never_raise(self, payload: bytes) -> None:
+        """The best-effort readers a reject ACK relies on never raise."""
+        scrape_control_id(payload)
+        wide = envelope.sniff_wide_encoding(payload)
+        if wide is not None:
+            envelope.read_wide_msh(payload, wide)
+
+
+class TestResolverProperties:
+    @PROPERTY
+    @given(st.one_of(st.text(max_size=40), st.sampled_from(CHARSET_VALUES), st.sampled_from(sorted(encodings.aliases.aliases))))
+    def test_resolver_returns_a_real_character_set_or_raises_unsupported(self, name: str) -> None:
+        """Any name: a codec of the accepted set (ASCII-compatible), else UnsupportedCharset 102/103 — never another error."""
+        try:
+            codec = resolve_codec(name, "utf-8")
+        except UnsupportedCharset as exc:
+            codes = {exc.error_code}
+        else:
+            codes = set()
+        if codes:
+            assert codes <= {102, 103}
+            return
+        assert codec in envelope.TEXT_CODECS
+        assert resolve_codec("", name) == codec  # the channel key takes the same names
+
+    @PROPERTY
+    @given(st.binary(max_size=300), st.sampled_from(sorted(envelope.TEXT_CODECS)))
+    def test_decode_raises_only_envelope_errors(self, payload: bytes, codec: str) -> None:
+        """Decoding any bytes with an accepted codec gives CR-ended text or EnvelopeError 102."""
+        try:
+            text = decode_message(payload, codec)
+        except EnvelopeError as exc:
+            text, code = None, exc.error_code
+        if text is None:
+            assert code == 102
+            return
+        assert "\n" not in text and (text == "" or text.endswith("\r"))
