@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
 import hl7
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from intakefuzz import CHARSET_VALUES, CORPUS, mutate
 
 from agent.acks import (
     TABLE_0357,
@@ -20,7 +24,8 @@ from agent.acks import (
     read_ack_code,
     relayed_ack,
 )
-from agent.envelope import Envelope, MalformedMsh, read_msh
+from agent.envelope import TEXT_CODECS, Envelope, MalformedMsh, read_msh, scrape_control_id
+from agent.errors import EnvelopeError
 
 Sample = Callable[[str], bytes]
 NOW = datetime(2024, 1, 15, 8, 30, 5, 123456, tzinfo=timezone(timedelta(hours=1)))
@@ -448,3 +453,53 @@ class TestRelayedAck:
         ack = relayed_ack(text, codec)
         assert ack.startswith(b"MSH|^~\\&|S|F|R|F|20260101||ACK|1|P|2.5.1\rMSA|AA|XXXX")
         assert ack.endswith(b"\xe9?\r" if codec in ("8859/1", "latin-1") else b"??\r")
+
+
+# -- properties (hypothesis) ---------------------------------------------------
+
+PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+MUTATED = st.builds(
+    lambda seed, index, steps: mutate(random.Random(seed), CORPUS[index % len(CORPUS)], steps),
+    st.integers(0, 2**32 - 1), st.integers(0, len(CORPUS) - 1), st.integers(0, 8),
+)
+
+
+def inbound_of(payload: bytes) -> Envelope | None:
+    try:
+        return read_msh(payload)
+    except MalformedMsh as exc:
+        return exc.partial
+    except EnvelopeError:
+        return None
+
+
+class TestAckProperties:
+    @PROPERTY
+    @given(
+        st.one_of(MUTATED, st.binary(max_size=300).map(lambda b: b"MSH" + b)),
+        st.sampled_from(list(AckCode)),
+        st.text(max_size=60),
+        st.one_of(st.sampled_from(CHARSET_VALUES), st.sampled_from(sorted(TEXT_CODECS))),
+        st.integers(0, 999),
+    )
+    def test_any_inbound_gives_one_clean_readable_ack(
+        self, payload: bytes, code: AckCode, text: str, codec: str, error_code: int
+    ) -> None:
+        """Whatever the inbound MSH, text, codec name or error code: an ACK with the code, no block byte, CR-ended segments."""
+        inbound = inbound_of(payload)
+        ack = build_ack(inbound, code, text=text, error_code=error_code, codec=codec,
+                        inbound_control_id=scrape_control_id(payload))
+        assert b"\x0b" not in ack and b"\x1c" not in ack and b"\n" not in ack
+        assert ack.startswith(b"MSH") and ack.endswith(b"\r")
+        assert read_ack_code(ack) == str(code)
+        # The ACK's own MSH reads back: the sender can parse what it gets.
+        reread = read_msh(ack)
+        assert reread.is_ack
+        assert reread.field_sep == (inbound.field_sep if inbound is not None else "|")
+
+    @PROPERTY
+    @given(st.text(max_size=200), st.one_of(st.sampled_from(CHARSET_VALUES), st.text(max_size=12)))
+    def test_relayed_ack_never_raises_and_is_frame_safe(self, text: str, codec: str) -> None:
+        """Any server ACK text in any stored codec name: bytes without block bytes, never an exception."""
+        ack = relayed_ack(text, codec)
+        assert b"\x0b" not in ack and b"\x1c" not in ack and b"\n" not in ack
