@@ -205,6 +205,45 @@ def ack_problems(ack: bytes) -> list[str]:
     return problems
 
 
+def check_handled(payload: bytes, handled: Handled) -> None:
+    """Every property of one handled frame payload (AssertionError names the broken one)."""
+    assert handled.failed == [], f"the handler raised {handled.failed} (last resort used)"
+    # Every ACK written is one clean frame the sender reads as such.
+    assert handled.wire_junk == 0, "the sender had to skip bytes between ACK frames"
+    assert handled.wire_frames == [mllp.frame_safe(a) for a in handled.acks], "ACK frames on the wire differ"
+    for ack in handled.wire_frames:
+        assert ack_problems(ack) == [], (ack_problems(ack), ack)
+    assert len(handled.acks) <= 1, "more than one answer to one frame (commit mode)"
+    want = expected(payload)
+    if handled.stored:
+        # Committed (now, or by an earlier identical frame): only a well-formed
+        # frame, answered with an accept if at all, and no audit row.
+        assert want.acceptable, "a malformed frame was committed"
+        assert handled.stored == 1, "one body, one row (dedupe)"
+        assert all(code in ("AA", "CA") for code in handled.codes), "a committed frame got a reject"
+        assert handled.audited == 0, "a committed frame also left an audit row"
+    else:
+        # Never accept what was not committed; keep an audit row of it.
+        assert not handled.accepted, "an accept ACK for a frame that is not committed"
+        assert handled.audited == 1, "a frame that was not accepted left no audit row"
+    if not want.has_msh:
+        assert handled.acks == [], "a frame without MSH was answered"
+    elif want.is_ack:
+        assert handled.acks == [], "an inbound ACK was answered"
+    elif not want.waivable:
+        assert len(handled.acks) == 1, "a readable MSH got no ACK"
+
+
+def check_streamed(data: bytes, out: Streamed, limit: int) -> None:
+    """Properties of raw stream bytes: the connection still serves, every ACK is one clean frame."""
+    assert out.failed == [], f"the handler raised {out.failed} (last resort used)"
+    assert out.wire_junk == 0, "the sender had to skip bytes between ACK frames"
+    for ack in (*out.frames, out.sentinel_ack):
+        assert ack_problems(ack) == [], (ack_problems(ack), ack)
+    handled = [e for e in frames_in(data, limit) if isinstance(e, (mllp.Frame, mllp.OversizeFrame))]
+    assert len(out.frames) <= len(handled), "more ACKs than frames"
+
+
 # -- the harness ---------------------------------------------------------------
 
 MARK = b"\x0bHARNESS-MARK\x1c\r"
@@ -322,6 +361,9 @@ class FrameHandler:
         return self._run(self._handle(payload))  # type: ignore[no-any-return]
 
     async def _handle(self, payload: bytes) -> Handled:
+        # Audit rows of earlier frames (a stream's, submitted before its last
+        # ACK went out) must be committed before this frame's are counted.
+        await self.writer.run(lambda _s: None)
         before = self._nacked()
         with capture_logs() as logs:
             reply = await self.conn._handle_frame(payload, time.time())
