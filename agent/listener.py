@@ -588,7 +588,7 @@ class Connection:
         frames = traceback.extract_tb(exc.__traceback__)
         where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
         self.log.error("frame_handling_failed", error_type=type(exc).__name__, where=where)
-        text = "internal error while handling the message: not accepted"
+        text = "internal error while handling the message; resending it is safe"
         env: Envelope | None = None
         try:
             try:
