@@ -163,11 +163,15 @@ class Expected:
 
 
 def expected(payload: bytes, channel_encoding: str = "utf-8") -> Expected:
-    if envelope.sniff_wide_encoding(payload) is not None:
+    wide = envelope.sniff_wide_encoding(payload)
+    if wide is not None:
         try:
             envelope.read_msh(payload)
         except envelope.NoMshSegment:
-            return Expected(True, False, True, False)  # UTF-16/32: rejected, MSH-15 as read
+            # UTF-16/32: its MSH can be read, so it is answered (a reject) unless MSH-15 waives it.
+            env = envelope.read_wide_msh(payload, wide)
+            waivable = env is not None and env.accept_ack_type.strip().upper() in ("NE", "ER", "SU")
+            return Expected(True, False, waivable, False)
         except envelope.EnvelopeError:
             pass
     try:
@@ -183,9 +187,7 @@ def expected(payload: bytes, channel_encoding: str = "utf-8") -> Expected:
     try:
         envelope.decode_message(payload, envelope.resolve_codec(env.charset, channel_encoding))
         decodable = True
-    except envelope.EnvelopeError:
-        decodable = False
-    except envelope.UnsupportedCharset:
+    except (envelope.EnvelopeError, envelope.UnsupportedCharset):
         decodable = False
     return Expected(True, env.is_ack, waivable, decodable and not env.is_ack)
 
