@@ -51,12 +51,15 @@ class Run:
         self.handler = FrameHandler(data_dir, max_message_bytes=MAX_MESSAGE_BYTES).__enter__()
         self.frames = 0
         self.streams = 0
+        self.stream_frames = 0
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.failures: dict[str, tuple[int, bytes]] = {}
         self.started = time.monotonic()
 
     def one(self, data: bytes, *, keep_going: bool) -> None:
-        from intakefuzz import CORPUS, check_handled, check_streamed, mutate
+        from intakefuzz import CORPUS, check_handled, check_streamed, frames_in, mutate
+
+        from agent.mllp import Frame, OversizeFrame
 
         if not data:
             return
@@ -72,6 +75,9 @@ class Run:
             self._checked(stream, lambda: check_streamed(
                 stream, self.handler.stream(stream), MAX_MESSAGE_BYTES), keep_going)
             self.streams += 1
+            # Frames the connection's own read loop handled: the stream's, and the sentinel.
+            self.stream_frames += 1 + sum(
+                1 for e in frames_in(stream, MAX_MESSAGE_BYTES) if isinstance(e, (Frame, OversizeFrame)))
             return
         if selector % 2 == 0:
             payload = mutate(rng, CORPUS[selector % len(CORPUS)], rng.choice((0, 1, 1, 2, 3, 5, 8)))
@@ -108,8 +114,9 @@ class Run:
 
     def report(self) -> None:
         elapsed = time.monotonic() - self.started
-        print(f"\nframes handled: {self.frames}  raw streams: {self.streams}  in {elapsed:.0f} s "
-              f"({(self.frames + self.streams) / max(elapsed, 1e-9):.0f}/s)")
+        total = self.frames + self.stream_frames
+        print(f"\nframes handled: {total} ({self.frames} one by one, {self.stream_frames} in {self.streams} "
+              f"raw streams) in {elapsed:.0f} s ({total / max(elapsed, 1e-9):.0f} frames/s)")
         print("answers:", ", ".join(f"{k}: {v}" for k, v in self.outcomes.most_common()))
         print(f"distinct failures: {len(self.failures)}")
         for key, (seen, data) in self.failures.items():
