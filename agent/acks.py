@@ -13,6 +13,7 @@ import uuid
 from datetime import datetime
 from enum import Enum, StrEnum
 
+from agent import envelope, mllp
 from agent.envelope import DEFAULT_ENCODING_CHARS, DEFAULT_FIELD_SEP, Envelope
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "commit_ack_wanted",
     "new_control_id",
     "read_ack_code",
+    "relayed_ack",
 ]
 
 
@@ -127,13 +129,13 @@ def _timestamp(now: datetime | None) -> str:
 
 
 def _usable_codec(codec: str) -> str:
-    """``codec`` if it encodes ASCII as ASCII, else ascii: an ACK must always go out."""
-    try:
-        if "MSH|\r".encode(codec) == b"MSH|\r":
-            return codec
-    except (LookupError, UnicodeError):
-        pass
-    return "ascii"
+    """``codec`` if it is a real character set intake accepts, else ascii: an ACK must always go out.
+
+    A row an older version stored may name a Python codec that is a transform
+    (``idna``, ``rot13``) or not ASCII-compatible; encoding with it can raise
+    or produce bytes that break the MLLP framing.
+    """
+    return envelope.text_codec(codec) or "ascii"
 
 
 def _recode(raw: str, codec: str) -> str:
@@ -146,10 +148,19 @@ def _recode(raw: str, codec: str) -> str:
         return raw  # already real text (an Envelope built by hand)
 
 
+#: Characters no ACK may carry inside a field: the MLLP start and end block
+#: bytes (a 0x1C there ends the frame early at the sender) and segment ends.
+_FRAMING_CHARS = "\x0b\x1c\r\n"
+
+
 class _Delims:
     """The delimiters an ACK is written with, and HL7 escaping (HL7 2.5 ch. 2.7)."""
 
     def __init__(self, field_sep: str, encoding_chars: str) -> None:
+        delimiters = field_sep + encoding_chars
+        if len(field_sep) != 1 or not delimiters.isascii() or any(ch in _FRAMING_CHARS for ch in delimiters):
+            # read_msh never lets these through; an Envelope built by hand might.
+            field_sep, encoding_chars = DEFAULT_FIELD_SEP, DEFAULT_ENCODING_CHARS
         effective = encoding_chars + DEFAULT_ENCODING_CHARS[len(encoding_chars) :]
         self.field = field_sep
         self.encoding_chars = encoding_chars
@@ -166,13 +177,25 @@ class _Delims:
             self.subcomponent: f"{esc}T{esc}",
             "\r": " ",
             "\n": " ",
+            # HL7 2.5 ch. 2.7.3: \Xhh\ hexadecimal data, for the MLLP block bytes.
+            "\x0b": f"{esc}X0B{esc}",
+            "\x1c": f"{esc}X1C{esc}",
         }
         if len(effective) > 4:
             table[effective[4]] = f"{esc}P{esc}"  # truncation character, v2.7+
         self._table = str.maketrans(table)
+        # A copied field is already HL7-encoded text in the sender's delimiters:
+        # only the characters that would break the frame or the segment get
+        # the hexadecimal escape (HL7 2.5 ch. 2.7.3), nothing else changes.
+        self._framing = str.maketrans({ch: f"{esc}X{ord(ch):02X}{esc}" for ch in _FRAMING_CHARS})
 
     def escape_text(self, text: str) -> str:
+        """Free text (MSA-3, ERR texts) with every delimiter escaped."""
         return text.translate(self._table)
+
+    def escape_framing(self, field: str) -> str:
+        """A field copied from the inbound MSH, with 0x0B, 0x1C, CR and LF as ``\\Xhh\\``."""
+        return field.translate(self._framing)
 
 
 @functools.lru_cache(maxsize=64)
@@ -208,7 +231,7 @@ def build_ack(
         delims = _delims(DEFAULT_FIELD_SEP, DEFAULT_ENCODING_CHARS)
 
     def copied(raw: str) -> str:
-        return _recode(raw, codec)
+        return delims.escape_framing(_recode(raw, codec))
 
     if inbound is not None:
         trigger = copied(inbound.trigger_event)
@@ -227,7 +250,7 @@ def build_ack(
             copied(inbound.sending_app),
             copied(inbound.sending_facility),
         ]
-        msa2 = copied(inbound.control_id) or inbound_control_id
+        msa2 = copied(inbound.control_id) or copied(inbound_control_id)
         charset = copied(inbound.charset)
     else:
         trigger = ""
@@ -235,7 +258,7 @@ def build_ack(
         version_id = _DEFAULT_VERSION
         version = (2, 5, 0)
         swapped = ["", "", "", ""]
-        msa2 = inbound_control_id
+        msa2 = copied(inbound_control_id)
         charset = ""
 
     # MSH-9 is ACK^<trigger>^ACK for every version (SPEC 4). Before v2.3.1 the
@@ -250,7 +273,7 @@ def build_ack(
         _timestamp(now),  # MSH-7
         "",  # MSH-8 security
         msh9,
-        control_id if control_id is not None else new_control_id(),  # MSH-10
+        new_control_id() if control_id is None else delims.escape_framing(control_id),  # MSH-10
         processing_id,  # MSH-11, copied verbatim (never a hard-coded P)
         version_id,  # MSH-12, copied verbatim
     ]
@@ -318,6 +341,18 @@ def app_ack_from_status(
         codec=codec,
         now=now,
     )
+
+
+def relayed_ack(ack_text: str, codec: str) -> bytes:
+    """The server's ACK text as the bytes the sender gets; never raises.
+
+    Segment ends normalised to ``\\r``; encoded in the sender's character set
+    when that is one intake accepts (else ASCII: a row an older version stored
+    may name a transform such as ``idna``, which raises on encoding); the
+    MLLP block bytes dropped, so it stays one frame on the sender's side.
+    """
+    normalised = ack_text.replace("\r\n", "\r").replace("\n", "\r")
+    return mllp.frame_safe(normalised.encode(_usable_codec(codec), errors="replace"))
 
 
 _SEGMENT_SPLIT = re.compile(rb"\r\n|\r|\n")

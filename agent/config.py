@@ -171,11 +171,19 @@ def parse_byte_size(value: object) -> int:
 
 
 def _check_encoding(name: str) -> None:
-    """Validate with the hot path's own resolver, so config and intake agree on names."""
+    """Validate with the hot path's own resolver, so config and intake agree on names.
+
+    Only real character sets: HL7 table 0211 names and Python names of those
+    same encodings — never a Python codec that is a transform (``idna``,
+    ``rot13``, ``base64``) or that HL7 forbids over MLLP (UTF-16/32).
+    """
     try:
         resolve_codec("", name)
     except UnsupportedCharset as exc:
-        raise ValueError(f"{name!r}: {exc.text}") from None
+        raise ValueError(
+            f"{exc.text}; use an HL7 table 0211 name (8859/1, UNICODE UTF-8, ASCII, ...) "
+            "or a Python name of the same encoding (latin-1, utf-8, ...)"
+        ) from None
 
 
 # --------------------------------------------------------------------------

@@ -675,15 +675,25 @@ class Dispatcher:
             self.relay.settled(head.id, app_ack)
 
     def _app_ack_for(self, head: HeadRow, status: int, ack_text: str | None) -> bytes | None:
-        """The application ACK the source is owed, in its own character set (SPEC 4)."""
-        if ack_text:
-            normalised = ack_text.replace("\r\n", "\r").replace("\n", "\r")
-            return normalised.encode(head.encoding, errors="replace")
+        """The application ACK the source is owed, in its own character set; never raises.
+
+        Whatever a stored row holds (an older version stored any codec Python
+        knows, ``idna`` included), the row must still settle: an exception here
+        would end the dispatcher and leave the row inflight, resent and failing
+        at every restart. A row whose ACK cannot be built settles without one.
+        """
         try:
-            inbound = envelope.read_msh(head.body)
-        except HL7Error:
+            if ack_text:
+                return acks.relayed_ack(ack_text, head.encoding)
+            try:
+                inbound = envelope.read_msh(head.body)
+            except HL7Error:
+                return None
+            return acks.app_ack_from_status(inbound, status, head.encoding)
+        except Exception as exc:  # noqa: BLE001 - one row's ACK must never stop dispatch
+            self.log.error("application_ack_unbuildable", id=head.id, channel=head.channel,
+                           error_type=type(exc).__name__)
             return None
-        return acks.app_ack_from_status(inbound, status, head.encoding)
 
     async def _settle_response(
         self, channel: ChannelSettings, epoch: int, head: HeadRow, attempt: int,

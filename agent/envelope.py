@@ -16,6 +16,8 @@ setting one MSH field in the decoded text (MSH-13 stamping, SPEC 5).
 from __future__ import annotations
 
 import codecs
+import encodings
+import encodings.aliases
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ __all__ = [
     "CHARSETS_0211",
     "DEFAULT_ENCODING_CHARS",
     "DEFAULT_FIELD_SEP",
+    "TEXT_CODECS",
     "Envelope",
     "MalformedMsh",
     "NoMshSegment",
@@ -34,6 +37,7 @@ __all__ = [
     "resolve_codec",
     "scrape_control_id",
     "set_msh_field",
+    "text_codec",
 ]
 
 DEFAULT_FIELD_SEP = "|"
@@ -152,9 +156,19 @@ def _split_msh(data: bytes) -> tuple[str, int]:
     return data[start:end].decode("latin-1"), start
 
 
+def _usable_delimiter(ch: str) -> bool:
+    """Printable ASCII punctuation (HL7 2.5 ch. 2.5.4 recommends ``|^~\\&``).
+
+    A byte above 0x7E would be written back as two bytes in a UTF-8 ACK (or be
+    part of a multi-byte character), a control byte is no visible delimiter;
+    either makes an ACK the sender cannot split.
+    """
+    return "!" <= ch <= "~" and not ch.isalnum()
+
+
 def _check_separators(field_sep: str, encoding_chars: str) -> None:
     """Raise MalformedMsh when MSH-1/MSH-2 cannot serve as delimiters (HL7 2.5 ch. 2.5.4)."""
-    if not field_sep or field_sep.isalnum() or field_sep.isspace():
+    if not field_sep or not _usable_delimiter(field_sep):
         raise MalformedMsh(f"MSH-1 field separator {field_sep!r} is unusable", error_code=102)
     if not encoding_chars:
         raise MalformedMsh("MSH-2 encoding characters missing", error_code=101)
@@ -164,7 +178,7 @@ def _check_separators(field_sep: str, encoding_chars: str) -> None:
     # set must still be distinct, non-alphanumeric and not the field separator.
     effective = encoding_chars + DEFAULT_ENCODING_CHARS[len(encoding_chars) :]
     for ch in effective:
-        if ch.isalnum() or ch.isspace() or ch == field_sep:
+        if not _usable_delimiter(ch) or ch == field_sep:
             raise MalformedMsh(f"MSH-2 encoding character {ch!r} is unusable", error_code=102)
     if len(set(effective)) != len(effective):
         raise MalformedMsh("MSH-2 encoding characters are not distinct", error_code=102)
@@ -266,13 +280,23 @@ CHARSETS_0211: dict[str, str | None] = {
     "ISO IR159": "iso2022_jp_2",
     "SJIS": "cp932",
     "GB 18030-2000": "gb18030",
+    "KS X 1001": "euc_kr",  # KS X 1001 as sent over 8-bit links: EUC-KR
     "BIG-5": "big5",
     "UNICODE": None,
     "UNICODE UTF-16": None,
     "UNICODE UTF-32": None,
 }
 
+#: Python codecs of the same text encodings as table 0211 names, besides the
+#: ones the table maps to: Shift_JIS itself (``SJIS`` maps to its superset cp932).
+_SAME_ENCODINGS = ("shift_jis",)
+
 _WS = re.compile(r"[\s_]+")
+# A character set name as it can appear in MSH-18 or the channel ``encoding``:
+# printable ASCII letters, digits and the punctuation table 0211 and Python
+# codec names use. Anything else (a NUL, control bytes, 1 MB of junk) is no
+# name, and never reaches Python's codec registry.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._/-]{0,63}")
 # What an HL7/MLLP codec must encode byte-for-byte like ASCII: the framing and
 # the default delimiters. Rejects UTF-16/32, UTF-7, EBCDIC and non-text codecs.
 _STRUCTURE = "MSH|^~\\&#\r\n\x0b\x1c 0123456789AZaz"
@@ -283,46 +307,90 @@ def _norm_charset(name: str) -> str:
     return _WS.sub(" ", name.strip()).upper()
 
 
-def _python_codec(name: str) -> str:
-    """Canonical Python codec for ``name``, or raise UnsupportedCharset."""
-    try:
-        info = codecs.lookup(name)
-    except LookupError:
-        raise UnsupportedCharset(f"unknown character set {name!r}", error_code=102) from None
-    canonical = info.name
-    if canonical.startswith(("utf-16", "utf-32", "utf_16", "utf_32")):
-        raise UnsupportedCharset(
-            f"character set {name!r} (UTF-16/UTF-32) is forbidden with MLLP", error_code=102
-        )
-    try:
-        ok = _STRUCTURE.encode(canonical) == _STRUCTURE_BYTES
-    except (LookupError, UnicodeError):
-        ok = False
-    if not ok:
-        raise UnsupportedCharset(
-            f"character set {name!r} does not encode HL7 delimiters as ASCII", error_code=102
-        )
-    return canonical
+def _py_key(name: str) -> str:
+    """A Python codec name normalised like ``encodings.search_function`` does it."""
+    return encodings.normalize_encoding(name).lower()
+
+
+def _build_python_names() -> tuple[dict[str, str], frozenset[str]]:
+    """Python names (and ``encodings.aliases``) of the accepted codecs, and of UTF-16/32.
+
+    Built once from the targets of table 0211, so the hot path is a dict lookup
+    and a sender's MSH-18 is never handed to ``codecs.lookup``, which accepts
+    transforms (``idna``, ``rot13``, ``zlib``...) and raises ValueError on a NUL.
+    """
+    targets = {codec for codec in CHARSETS_0211.values() if codec} | set(_SAME_ENCODINGS)
+    accepted: dict[str, str] = {}
+    module_of: dict[str, str] = {}
+    for target in targets:
+        canonical = codecs.lookup(target).name
+        if _STRUCTURE.encode(canonical) != _STRUCTURE_BYTES:  # pragma: no cover - table error
+            raise AssertionError(f"{target} does not encode HL7 delimiters as ASCII")
+        key = _py_key(target)
+        module = encodings.aliases.aliases.get(key, key)
+        module_of[module] = canonical
+        for name in (key, _py_key(canonical), module):
+            accepted[name] = canonical
+    for alias, module in encodings.aliases.aliases.items():
+        if module in module_of:
+            accepted[alias] = module_of[module]
+    wide_modules = {"utf_16", "utf_16_le", "utf_16_be", "utf_32", "utf_32_le", "utf_32_be"}
+    wide = {alias for alias, module in encodings.aliases.aliases.items() if module in wide_modules}
+    return accepted, frozenset(wide | wide_modules | {"utf_16le", "utf_16be", "utf_32le", "utf_32be"})
+
+
+_PYTHON_NAMES, _WIDE_NAMES = _build_python_names()
+#: The canonical Python codecs intake ever decodes with (and ACKs are encoded in).
+TEXT_CODECS: frozenset[str] = frozenset(_PYTHON_NAMES.values())
+
+
+def _quoted(name: str) -> str:
+    """``name`` for a message: bounded and with control characters escaped (repr)."""
+    return repr(name[:40] + ("..." if len(name) > 40 else ""))
+
+
+def text_codec(name: str) -> str | None:
+    """The canonical Python codec of a table 0211 name or a Python name of one, else None.
+
+    None for UTF-16/32 (forbidden with MLLP), for transforms and for anything
+    that is no character set. Never raises.
+    """
+    stripped = name.strip()
+    if not _NAME.fullmatch(stripped):
+        return None
+    key = _norm_charset(stripped)
+    if key in CHARSETS_0211:
+        mapped = CHARSETS_0211[key]
+        return None if mapped is None else _PYTHON_NAMES[_py_key(mapped)]
+    py = _py_key(stripped)
+    return _PYTHON_NAMES.get(py) or _PYTHON_NAMES.get(py.replace(".", "_"))
 
 
 def _resolve_one(name: str) -> str:
-    key = _norm_charset(name)
-    if key in CHARSETS_0211:
-        mapped = CHARSETS_0211[key]
-        if mapped is None:
-            raise UnsupportedCharset(
-                f"character set {name!r} (UTF-16/UTF-32) is forbidden with MLLP", error_code=102
-            )
-        return _python_codec(mapped)
-    return _python_codec(name.strip())
+    codec = text_codec(name)
+    if codec is not None:
+        return codec
+    stripped = name.strip()
+    wide = _NAME.fullmatch(stripped) is not None and (
+        CHARSETS_0211.get(_norm_charset(stripped), "") is None or _py_key(stripped) in _WIDE_NAMES
+    )
+    if wide:
+        raise UnsupportedCharset(
+            f"character set {_quoted(stripped)} (UTF-16/UTF-32) is forbidden with MLLP", error_code=102
+        )
+    # HL7 table 0357: 103 table value not found (the value is no table 0211 character set).
+    raise UnsupportedCharset(f"unknown character set {_quoted(stripped)}", error_code=103)
 
 
 def resolve_codec(msh18: str, channel_encoding: str) -> str:
-    """Python codec for a message: MSH-18 if set, else the channel's ``encoding`` (SPEC 4).
+    """Python codec for a message: MSH-18 if set, else the channel's ``encoding``.
 
-    Both take HL7 table 0211 names (``8859/1``, ``UNICODE UTF-8``) or Python codec
-    names; ``""`` for the channel means utf-8. Raises UnsupportedCharset (102)
-    for UTF-16/32 and unknown names.
+    Both take HL7 table 0211 names (``8859/1``, ``UNICODE UTF-8``) or Python
+    names of those same text encodings (``latin-1``, ``utf8``); ``""`` for the
+    channel means utf-8. Raises UnsupportedCharset: 102 for UTF-16/32 (HL7
+    forbids them with MLLP), 103 for every other name, Python codecs that are
+    transforms (``idna``, ``rot13``, ``base64``) or other character sets included.
+    Never raises anything else, whatever the bytes of the name.
     """
     if msh18.strip():
         return _resolve_one(msh18)

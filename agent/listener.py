@@ -18,10 +18,12 @@ import itertools
 import socket
 import ssl
 import time
+import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from itertools import count
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import structlog
@@ -809,8 +811,10 @@ class Connection:
                 return
             try:
                 reply = await task
-            except Exception:  # a bug in one frame must not kill the connection
-                self.log.exception("frame_handling_failed")
+            except Exception as exc:  # noqa: BLE001 - a bug in one frame must not kill the connection
+                # The handlers answer their own failures (_handle_frame); this is
+                # only reached by a bug outside them. Type only: no message body.
+                self.log.error("frame_handling_failed", error_type=type(exc).__name__)
                 reply = Reply()
             finally:
                 self.pending_frames -= 1
@@ -840,7 +844,9 @@ class Connection:
             return False
         async with self.write_lock:
             try:
-                self.writer.write(mllp.encode_frame(ack))
+                # Whatever the ACK's origin (built here, the server's text,
+                # a row an older version stored): exactly one frame goes out.
+                self.writer.write(mllp.encode_ack_frame(ack))
                 await self.writer.drain()
             except (ConnectionError, OSError) as exc:
                 self.log.info("ack_write_failed", error=str(exc))
@@ -925,6 +931,12 @@ class Connection:
     # -- frames --------------------------------------------------------------
 
     async def _handle_oversize(self, event: mllp.OversizeFrame, received_at: float) -> Reply:
+        try:
+            return await self._intake_oversize(event, received_at)
+        except Exception as exc:  # noqa: BLE001 - answered below: no frame ends in silence
+            return self._handling_failed(exc, event.prefix, received_at)
+
+    async def _intake_oversize(self, event: mllp.OversizeFrame, received_at: float) -> Reply:
         if self._audit_quota_left():  # junk log lines are limited like its audit rows
             self.log.warning("frame_too_large", size=event.size, limit=self.channel.max_message_bytes)
         text = f"message of {event.size} bytes exceeds max_message_bytes {self.channel.max_message_bytes}"
@@ -989,6 +1001,50 @@ class Connection:
         return Reply().add(ack)
 
     async def _handle_frame(self, payload: bytes, received_at: float) -> Reply:
+        """Handle one frame; an unexpected error still gets the sender an answer."""
+        try:
+            return await self._intake_frame(payload, received_at)
+        except Exception as exc:  # noqa: BLE001 - answered below: no frame ends in silence
+            return self._handling_failed(exc, payload, received_at)
+
+    def _handling_failed(self, exc: Exception, payload: bytes, received_at: float) -> Reply:
+        """Last resort for a frame whose handling raised: AE/CE 207 and an audit row, never silence.
+
+        Any frame whose MSH can be read gets an ACK (except an inbound ACK, or
+        where MSH-15 waives it) and every frame an audit row, whatever went
+        wrong. HL7 table 0357: 207 application internal error. The log line
+        names the exception type and where it was raised, never its text,
+        which may quote the message.
+        """
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+        self.log.error("frame_handling_failed", error_type=type(exc).__name__, where=where)
+        text = "internal error while handling the message; resending it is safe"
+        env: Envelope | None = None
+        try:
+            try:
+                env = envelope.read_msh(payload)
+            except MalformedMsh as malformed:
+                env = malformed.partial
+            except NoMshSegment:
+                # No MSH: no ACK is owed, the frame is kept as an audit row.
+                self._audit(AuditItem(self.channel.name, self.remote, payload, "207", text,
+                                      received_at=received_at))
+                return Reply()
+            if env is not None and env.is_ack:
+                self._audit(AuditItem(self.channel.name, self.remote, payload, "207", text,
+                                      received_at=received_at))
+                return Reply()
+            return self._reject(env, payload, Outcome.MALFORMED, 207, text, received_at)
+        except Exception as again:  # noqa: BLE001 - even the reject failed: the minimal ACK still goes out
+            self.log.error("frame_handling_failed", error_type=type(again).__name__, where="reject")
+            wanted = env is None or acks.commit_ack_wanted(env, success=False)
+            if not wanted:
+                return Reply()
+            code = acks.ack_code(Outcome.MALFORMED, env is not None and env.enhanced)
+            return Reply().add(acks.build_ack(None, code, text=text, error_code=207))
+
+    async def _intake_frame(self, payload: bytes, received_at: float) -> Reply:
         name = self.channel.name
         try:
             env = envelope.read_msh(payload)

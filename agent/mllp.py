@@ -31,7 +31,9 @@ __all__ = [
     "JunkSkipped",
     "MllpDecoder",
     "OversizeFrame",
+    "encode_ack_frame",
     "encode_frame",
+    "frame_safe",
 ]
 
 START_BLOCK = b"\x0b"
@@ -47,8 +49,36 @@ OVERSIZE_PREFIX_BYTES = 64 * 1024
 
 
 def encode_frame(payload: bytes) -> bytes:
-    """Wrap one message (or ACK) in an MLLP block: VT payload FS CR."""
+    """Wrap one payload in an MLLP block as is: VT payload FS CR.
+
+    Byte-exact, for re-framing what a sender sent (a 0x1C not followed by CR
+    is payload and survives). What the agent itself writes to a sender goes
+    through ``encode_ack_frame``.
+    """
     return START_BLOCK + payload + END_BLOCK
+
+
+def frame_safe(payload: bytes) -> bytes:
+    """``payload`` without the MLLP block bytes 0x0B and 0x1C.
+
+    Such a payload always frames as exactly one message: a VT inside would
+    restart the frame at the receiver, an FS followed by CR end it early and
+    leave the rest as junk. ACKs are ASCII-compatible (HL7 table 0211
+    encodings only), where neither byte is ever part of a multi-byte
+    character, so dropping them damages nothing else.
+    """
+    if b"\x0b" in payload or b"\x1c" in payload:
+        return payload.replace(b"\x0b", b"").replace(b"\x1c", b"")
+    return payload
+
+
+def encode_ack_frame(ack: bytes) -> bytes:
+    """One well-formed MLLP frame for an ACK, whatever its bytes (last line of defence).
+
+    ACKs the agent builds never contain the block bytes; an ACK relayed from
+    the server's text, or stored by an older version, might.
+    """
+    return encode_frame(frame_safe(ack))
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
 import hl7
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from intakefuzz import CHARSET_VALUES, CORPUS, mutate
 
 from agent.acks import (
     TABLE_0357,
@@ -18,8 +22,10 @@ from agent.acks import (
     build_ack,
     commit_ack_wanted,
     read_ack_code,
+    relayed_ack,
 )
-from agent.envelope import Envelope, MalformedMsh, read_msh
+from agent.envelope import TEXT_CODECS, Envelope, MalformedMsh, read_msh, scrape_control_id
+from agent.errors import EnvelopeError
 
 Sample = Callable[[str], bytes]
 NOW = datetime(2024, 1, 15, 8, 30, 5, 123456, tzinfo=timezone(timedelta(hours=1)))
@@ -368,3 +374,132 @@ class TestCopiedNeverInvented:
         msh = segments(build_ack(inbound, AckCode.AA))[0]
         assert msh[10] == ""
         assert msh[11] == "2.5.1"
+
+
+class TestFramingBytesNeverInAnAck:
+    """A 0x1C (or 0x0B, CR, LF) copied from the inbound MSH would end or restart the ACK's frame at the sender."""
+
+    @staticmethod
+    def assert_clean(ack: bytes) -> None:
+        assert b"\x0b" not in ack and b"\x1c" not in ack
+        assert ack.endswith(b"\r") and b"\n" not in ack
+
+    def test_fs_at_the_end_of_msh12_is_hex_escaped(self) -> None:
+        """MSH-12 ``2.5.1<FS>`` (payload: LF, not CR, after it) comes back as ``2.5.1\\X1C\\``; the ACK keeps its MSA."""
+        inbound = read_msh(b"MSH|^~\\&|A|B|C|D|20260101||ADT^A01|X1|P|2.5.1\x1c\nPID|1\n")
+        ack = build_ack(inbound, AckCode.AA, now=NOW)
+        self.assert_clean(ack)
+        msh, msa = segments(ack)
+        assert msh[11] == "2.5.1\\X1C\\"
+        assert msa[:3] == ["MSA", "AA", "X1"]
+
+    def test_every_copied_field_is_escaped_in_the_senders_escape_character(self) -> None:
+        """MSH-3..6, MSH-9.2, MSH-10 (MSA-2), MSH-11, MSH-12 and MSH-18 use the sender's own escape (here ``@``)."""
+        inbound = read_msh(
+            b"MSH#$*@!#A\x1cPP#F\x0bAC#R\x1cA#R\x1cF#20260101##ADT$A\x1c01#C\x1cID#P\x1c#2.5.1######"
+            b"8859\x1c/1\r"
+        )
+        ack = build_ack(inbound, AckCode.AE, text="bad\x1ctext\x0b", error_code=102, codec="iso8859-1")
+        self.assert_clean(ack)
+        msh, msa, _err = segments(ack, "iso8859-1")
+        assert msh[2:6] == ["R@X1C@A", "R@X1C@F", "A@X1C@PP", "F@X0B@AC"]
+        assert msh[8] == "ACK$A@X1C@01$ACK"
+        assert msh[10] == "P@X1C@"
+        assert msh[17] == "8859@X1C@/1"
+        assert msa[1:4] == ["AE", "C@X1C@ID", "bad@X1C@text@X0B@"]
+
+    def test_reject_acks_too(self) -> None:
+        """A malformed MSH's partial envelope and a scraped MSA-2 are escaped the same way."""
+        with pytest.raises(MalformedMsh) as info:
+            read_msh(b"MSH|^~\\&|A\x1c|B|C|D|20260101||ADT^A01|X\x1c1|P|\r")
+        ack = build_ack(info.value.partial, AckCode.AE, error_code=101)
+        self.assert_clean(ack)
+        assert segments(ack)[0][4] == "A\\X1C\\"
+        minimal = build_ack(None, AckCode.AE, error_code=102, inbound_control_id="X\x1c\x0b\r\n9")
+        self.assert_clean(minimal)
+        assert segments(minimal)[1][2] == "X\\X1C\\\\X0B\\\\X0D\\\\X0A\\9"
+
+    def test_hand_built_envelope_with_framing_separators_falls_back_to_the_defaults(self) -> None:
+        """Separators read_msh would refuse (an Envelope built by hand) never put a 0x1C into the ACK."""
+        inbound = Envelope(
+            field_sep="\x1c", encoding_chars="^~\\&", sending_app="A", sending_facility="B",
+            receiving_app="C", receiving_facility="D", message_type="ADT^A01", message_code="ADT",
+            trigger_event="A01", control_id="X1", processing_id="P", version_id="2.5", sequence_number="",
+            accept_ack_type="", application_ack_type="", charset="",
+        )
+        ack = build_ack(inbound, AckCode.AA)
+        self.assert_clean(ack)
+        assert ack.startswith(b"MSH|^~\\&|")
+
+    @pytest.mark.parametrize("codec", ["idna", "rot13", "utf-16", "utf-7", "cp500", "a\x00b", "no-such"])
+    def test_a_codec_that_is_no_character_set_gives_an_ascii_ack(self, codec: str) -> None:
+        """A row stored by an older version may name any Python codec: the ACK goes out in ASCII instead of raising."""
+        inbound = read_msh(b"MSH|^~\\&|A|B|C|D|20260101||ADT^A01|X1|P|2.5.1\r")
+        ack = build_ack(inbound, AckCode.AE, text="t\u00e9xt", error_code=207, codec=codec)
+        self.assert_clean(ack)
+        assert segments(ack)[1][:4] == ["MSA", "AE", "X1", "t?xt"]
+
+
+class TestRelayedAck:
+    def test_block_bytes_dropped_and_line_ends_normalised(self) -> None:
+        """The server's ACK text with LF endings, a VT and an FS CR inside becomes one clean CR-ended ACK."""
+        text = "MSH|^~\\&|S|F|R|F|20260101||ACK|1|P|2.5\nMSA|AA|X1|o\x1c\rk\x0b\r\n"
+        assert relayed_ack(text, "utf-8") == b"MSH|^~\\&|S|F|R|F|20260101||ACK|1|P|2.5\rMSA|AA|X1|o\rk\r"
+
+    @pytest.mark.parametrize("codec", ["idna", "punycode", "utf-16", "rot13", "a\x00b", "8859/1", "latin-1"])
+    def test_never_raises_whatever_the_stored_codec(self, codec: str) -> None:
+        """``idna`` used to raise UnicodeError here and end the dispatcher; now any codec name gives bytes."""
+        text = "MSH|^~\\&|S|F|R|F|20260101||ACK|1|P|2.5.1\rMSA|AA|" + "X" * 80 + "|\u00e9\ud800\r"
+        ack = relayed_ack(text, codec)
+        assert ack.startswith(b"MSH|^~\\&|S|F|R|F|20260101||ACK|1|P|2.5.1\rMSA|AA|XXXX")
+        assert ack.endswith(b"\xe9?\r" if codec in ("8859/1", "latin-1") else b"??\r")
+
+
+# -- properties (hypothesis) ---------------------------------------------------
+
+PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+MUTATED = st.builds(
+    lambda seed, index, steps: mutate(random.Random(seed), CORPUS[index % len(CORPUS)], steps),
+    st.integers(0, 2**32 - 1), st.integers(0, len(CORPUS) - 1), st.integers(0, 8),
+)
+
+
+def inbound_of(payload: bytes) -> Envelope | None:
+    try:
+        return read_msh(payload)
+    except MalformedMsh as exc:
+        return exc.partial
+    except EnvelopeError:
+        return None
+
+
+class TestAckProperties:
+    @PROPERTY
+    @given(
+        st.one_of(MUTATED, st.binary(max_size=300).map(lambda b: b"MSH" + b)),
+        st.sampled_from(list(AckCode)),
+        st.text(max_size=60),
+        st.one_of(st.sampled_from(CHARSET_VALUES), st.sampled_from(sorted(TEXT_CODECS))),
+        st.integers(0, 999),
+    )
+    def test_any_inbound_gives_one_clean_readable_ack(
+        self, payload: bytes, code: AckCode, text: str, codec: str, error_code: int
+    ) -> None:
+        """Whatever the inbound MSH, text, codec name or error code: an ACK with the code, no block byte, CR-ended segments."""
+        inbound = inbound_of(payload)
+        ack = build_ack(inbound, code, text=text, error_code=error_code, codec=codec,
+                        inbound_control_id=scrape_control_id(payload))
+        assert b"\x0b" not in ack and b"\x1c" not in ack and b"\n" not in ack
+        assert ack.startswith(b"MSH") and ack.endswith(b"\r")
+        assert read_ack_code(ack) == str(code)
+        # The ACK's own MSH reads back: the sender can parse what it gets.
+        reread = read_msh(ack)
+        assert reread.is_ack
+        assert reread.field_sep == (inbound.field_sep if inbound is not None else "|")
+
+    @PROPERTY
+    @given(st.text(max_size=200), st.one_of(st.sampled_from(CHARSET_VALUES), st.text(max_size=12)))
+    def test_relayed_ack_never_raises_and_is_frame_safe(self, text: str, codec: str) -> None:
+        """Any server ACK text in any stored codec name: bytes without block bytes, never an exception."""
+        ack = relayed_ack(text, codec)
+        assert b"\x0b" not in ack and b"\x1c" not in ack and b"\n" not in ack

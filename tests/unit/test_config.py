@@ -437,15 +437,23 @@ class TestValues:
             text = f'[[channels]]\nname = "a"\nlisten = "0.0.0.0:1"\nmax_message_bytes = "{size}"\n'
             assert "channels[0].max_message_bytes" in load_error(write(tmp_path, text))
 
-    @pytest.mark.parametrize("encoding", ["utf-16", "UNICODE UTF-16", "utf-32-le", "klingon"])
+    @pytest.mark.parametrize(
+        "encoding",
+        ["utf-16", "UNICODE UTF-16", "utf-32-le", "klingon",
+         # Python codecs that are no character set, or none of table 0211.
+         "idna", "rot13", "punycode", "base64", "zlib", "uu", "hex", "raw_unicode_escape", "utf-7", "cp1252"],
+    )
     def test_bad_encoding(self, tmp_path: Path, encoding: str) -> None:
-        """UTF-16/32 (forbidden by HL7 over MLLP) and unknown character sets are refused."""
+        """UTF-16/32 (forbidden by HL7 over MLLP), transforms and unknown character sets are refused."""
         text = f'[[channels]]\nname = "a"\nlisten = "0.0.0.0:1"\nencoding = "{encoding}"\n'
-        assert "channels[0].encoding" in load_error(write(tmp_path, text))
+        message = load_error(write(tmp_path, text))
+        assert "channels[0].encoding" in message
+        assert repr(encoding) in message
+        assert "table 0211" in message
 
-    @pytest.mark.parametrize("encoding", ["8859/1", "UNICODE UTF-8", "latin-1", "ascii"])
+    @pytest.mark.parametrize("encoding", ["8859/1", "UNICODE UTF-8", "latin-1", "ascii", "utf8", "ISO-8859-15"])
     def test_good_encoding(self, encoding: str) -> None:
-        """HL7 table 0211 names and Python codec names are accepted as written."""
+        """HL7 table 0211 names and Python names of those encodings are accepted as written."""
         assert ChannelSettings(name="a", listen="0.0.0.0:1", encoding=encoding).encoding == encoding
 
     def test_allowed_sources_are_cidrs(self) -> None:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import encodings.aliases
+import random
 from collections.abc import Callable
 
 import hl7
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from intakefuzz import CHARSET_VALUES, CORPUS, mutate
 
+from agent import envelope
 from agent.envelope import (
     Envelope,
     MalformedMsh,
@@ -164,6 +170,13 @@ class TestReadMshErrors:
             (b"MSH|^~|&|A|B|C|D|||ADT^A01|1|P|2.5", 101),  # MSH-12 then misaligned/missing
             (b"MSH|a~\\&|A|B|C|D|||ADT^A01|1|P|2.5", 102),
             (b"MSH|^~\\&xx|A|B|C|D|||ADT^A01|1|P|2.5", 102),
+            # Found by the property tests: a non-ASCII or control byte as a
+            # delimiter made a reject ACK whose separator was two bytes in UTF-8.
+            (b"MSH\x80\x00", 102),
+            (b"MSH\x80^~\\&\x80A\x80B\x80C\x80D\x80\x80\x80ADT^A01\x801\x80P\x802.5", 102),
+            (b"MSH|^~\\\xe9|A|B|C|D|||ADT^A01|1|P|2.5", 102),
+            (b"MSH|^\x00\\&|A|B|C|D|||ADT^A01|1|P|2.5", 102),
+            (b"MSH\x7f^~\\&\x7fA", 102),
         ],
     )
     def test_unusable_separators(self, data: bytes, code: int) -> None:
@@ -226,18 +239,27 @@ class TestResolveCodec:
             ("SJIS", "cp932"),
             ("GB 18030-2000", "gb18030"),
             ("BIG-5", "big5"),
+            ("KS X 1001", "euc_kr"),
             ("latin-1", "iso8859-1"),
-            ("cp1252", "cp1252"),
+            ("ISO-8859-1", "iso8859-1"),
+            ("l1", "iso8859-1"),
+            ("latin9", "iso8859-15"),
+            ("utf8", "utf-8"),
+            ("US-ASCII", "ascii"),
+            ("shift_jis", "shift_jis"),
+            ("ms932", "cp932"),
+            ("euc-kr", "euc_kr"),
+            ("iso-2022-jp", "iso2022_jp"),
         ],
     )
     def test_msh18_names(self, name: str, codec: str) -> None:
-        """Table 0211 names and Python codec names map to a Python codec."""
+        """Table 0211 names and Python names of those same encodings map to a Python codec."""
         assert resolve_codec(name, "utf-8") == codec
 
     def test_empty_msh18_uses_channel(self) -> None:
         """Without MSH-18 the channel encoding decides, itself a 0211 or Python name."""
         assert resolve_codec("", "8859/1") == "iso8859-1"
-        assert resolve_codec("  ", "cp1252") == "cp1252"
+        assert resolve_codec("  ", "latin-1") == "iso8859-1"
         assert resolve_codec("", "") == "utf-8"
         assert resolve_codec("", "utf-8") == "utf-8"
 
@@ -246,28 +268,51 @@ class TestResolveCodec:
         assert resolve_codec("8859/1", "utf-8") == "iso8859-1"
 
     @pytest.mark.parametrize(
-        "name",
-        [
-            "UNICODE",
-            "UNICODE UTF-16",
-            "UNICODE UTF-32",
-            "utf-16",
-            "UTF-16LE",
-            "utf_32",
-            "utf-7",
-            "cp500",
-            "rot13",
-            "NO-SUCH-CHARSET",
-            "KLINGON",
-        ],
+        "name", ["UNICODE", "UNICODE UTF-16", "UNICODE UTF-32", "utf-16", "UTF-16LE", "utf_32", "u16"]
     )
-    def test_rejected(self, name: str) -> None:
-        """UTF-16/32, non-ASCII-compatible and unknown names raise UnsupportedCharset 102."""
+    def test_wide_encodings_forbidden(self, name: str) -> None:
+        """UTF-16/32, by table 0211 or Python name, raise UnsupportedCharset 102: HL7 forbids them with MLLP."""
         with pytest.raises(UnsupportedCharset) as info:
             resolve_codec(name, "utf-8")
         assert info.value.error_code == 102
         with pytest.raises(UnsupportedCharset):
             resolve_codec("", name)
+
+    @pytest.mark.parametrize(
+        "name",
+        [
+            # Python codecs that are transforms, not character sets: each one
+            # broke ACK building or decoding when MSH-18 named it.
+            "idna", "punycode", "rot13", "rot_13", "base64", "zlib", "uu", "hex", "bz2", "quopri",
+            "raw_unicode_escape", "unicode_escape", "undefined", "mbcs", "oem",
+            # Not ASCII-compatible, or no table 0211 encoding.
+            "utf-7", "cp500", "cp1252", "koi8-r", "mac-roman",
+            # Not names at all.
+            "NO-SUCH-CHARSET", "KLINGON", "utf-8\x00", "\x00", "a\x00b", "UTF\x1c8", "8859/\x0b1",
+            "x" * 100, "../../etc", "ut\u00f6f-8",
+        ],
+    )
+    def test_unknown_names_are_table_value_not_found(self, name: str) -> None:
+        """Anything else (transforms, other codecs, NULs, junk) raises UnsupportedCharset 103, never another error."""
+        with pytest.raises(UnsupportedCharset) as info:
+            resolve_codec(name, "utf-8")
+        assert info.value.error_code == 103
+        with pytest.raises(UnsupportedCharset):
+            resolve_codec("", name)
+
+    def test_error_text_is_bounded_and_escaped(self) -> None:
+        """The name in the reject text (MSA-3, logs) is cut short and has no raw control characters."""
+        with pytest.raises(UnsupportedCharset) as info:
+            resolve_codec("\x1c\x0b\r" + "z" * 10_000, "utf-8")
+        assert len(info.value.text) < 100
+        assert not set(info.value.text) & {"\x1c", "\x0b", "\r"}
+
+    def test_text_codecs_are_all_ascii_compatible(self) -> None:
+        """Every codec intake can ever decode with encodes the MLLP framing and the delimiters as ASCII."""
+        structure = "MSH|^~\\&\r\n\x0b\x1c 09AZaz"
+        for codec in envelope.TEXT_CODECS:
+            assert structure.encode(codec) == structure.encode("ascii"), codec
+            assert envelope.text_codec(codec) == codec
 
 
 class TestDecodeMessage:
@@ -361,3 +406,75 @@ class TestEnvelopeProperties:
         assert isinstance(env, Envelope)
         with pytest.raises(AttributeError):
             env.control_id = "2"  # type: ignore[misc]
+
+
+# -- properties (hypothesis) ---------------------------------------------------
+
+PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+MUTATED = st.builds(
+    lambda seed, index, steps: mutate(random.Random(seed), CORPUS[index % len(CORPUS)], steps),
+    st.integers(0, 2**32 - 1), st.integers(0, len(CORPUS) - 1), st.integers(0, 8),
+)
+ANY_FRAME = st.one_of(MUTATED, st.binary(max_size=400), st.binary(max_size=200).map(lambda b: b"MSH" + b))
+
+
+class TestMshReaderProperties:
+    @PROPERTY
+    @given(ANY_FRAME)
+    def test_read_msh_raises_only_envelope_errors(self, payload: bytes) -> None:
+        """Any bytes: an Envelope with usable delimiters, or NoMshSegment / MalformedMsh (101/102), nothing else."""
+        malformed: MalformedMsh | None = None
+        try:
+            env: Envelope | None = read_msh(payload)
+        except NoMshSegment:
+            assert not payload.lstrip(b"\xef\xbb\xbf").lstrip(b"\r\n \t").startswith(b"MSH")
+            return
+        except MalformedMsh as exc:
+            malformed, env = exc, exc.partial
+        if malformed is not None:
+            assert malformed.error_code in (101, 102)
+        if env is None:
+            return
+        for ch in env.field_sep + env.encoding_chars:
+            assert "!" <= ch <= "~" and not ch.isalnum()
+        assert "\r" not in env.control_id and "\n" not in env.control_id
+
+    @PROPERTY
+    @given(ANY_FRAME)
+    def test_helpers_never_raise(self, payload: bytes) -> None:
+        """The best-effort readers a reject ACK relies on never raise."""
+        scrape_control_id(payload)
+        wide = envelope.sniff_wide_encoding(payload)
+        if wide is not None:
+            envelope.read_wide_msh(payload, wide)
+
+
+class TestResolverProperties:
+    @PROPERTY
+    @given(st.one_of(st.text(max_size=40), st.sampled_from(CHARSET_VALUES), st.sampled_from(sorted(encodings.aliases.aliases))))
+    def test_resolver_returns_a_real_character_set_or_raises_unsupported(self, name: str) -> None:
+        """Any name: a codec of the accepted set (ASCII-compatible), else UnsupportedCharset 102/103 — never another error."""
+        try:
+            codec = resolve_codec(name, "utf-8")
+        except UnsupportedCharset as exc:
+            codes = {exc.error_code}
+        else:
+            codes = set()
+        if codes:
+            assert codes <= {102, 103}
+            return
+        assert codec in envelope.TEXT_CODECS
+        assert resolve_codec("", name) == codec  # the channel key takes the same names
+
+    @PROPERTY
+    @given(st.binary(max_size=300), st.sampled_from(sorted(envelope.TEXT_CODECS)))
+    def test_decode_raises_only_envelope_errors(self, payload: bytes, codec: str) -> None:
+        """Decoding any bytes with an accepted codec gives CR-ended text or EnvelopeError 102."""
+        try:
+            text = decode_message(payload, codec)
+        except EnvelopeError as exc:
+            text, code = None, exc.error_code
+        if text is None:
+            assert code == 102
+            return
+        assert "\n" not in text and (text == "" or text.endswith("\r"))

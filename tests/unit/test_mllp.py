@@ -6,6 +6,8 @@ import random
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from agent.mllp import (
     END_BLOCK,
@@ -16,7 +18,9 @@ from agent.mllp import (
     JunkSkipped,
     MllpDecoder,
     OversizeFrame,
+    encode_ack_frame,
     encode_frame,
+    frame_safe,
 )
 
 MSG1 = b"MSH|^~\\&|A|B|C|D|20240101||ADT^A01|1|P|2.5\rPID|1||42\r"
@@ -55,6 +59,28 @@ class TestEncode:
         assert decoder.feed(encode_frame(MSG1)) == [Frame(MSG1)]
         assert not decoder.mid_frame
         assert decoder.buffered_bytes() == 0
+
+
+class TestAckFrames:
+    @pytest.mark.parametrize(
+        "ack",
+        [b"MSH|^~\\&|A\x1c\rMSA|AA|1\r", b"MSH|\x0bMSA|AA\r", b"\x1c\r\x1c\r", b"MSH|A\x1c", b"\x0b", b""],
+    )
+    def test_encode_ack_frame_is_always_exactly_one_frame(self, ack: bytes) -> None:
+        """Whatever an ACK holds (a relayed server text, a row from an older version), one frame and no junk goes out."""
+        wire = encode_ack_frame(ack)
+        events = MllpDecoder(1 << 20).feed(wire)
+        assert len(events) == 1 and isinstance(events[0], Frame), events
+        assert events[0].payload == ack.replace(b"\x0b", b"").replace(b"\x1c", b"")
+
+    def test_frame_safe_keeps_clean_payloads_as_they_are(self) -> None:
+        """An ACK without block bytes is written byte for byte (the same object, no copy)."""
+        assert frame_safe(MSG1) is MSG1
+        assert frame_safe(b"a\x1cb\x0bc") == b"abc"
+
+    def test_encode_frame_stays_byte_exact_for_relaying_sender_frames(self) -> None:
+        """encode_frame (re-framing what a sender sent, for a hand-over) keeps an FS that is payload."""
+        assert MllpDecoder(1 << 20).feed(encode_frame(MSG2_SAFE)) == [Frame(MSG2_SAFE)]
 
 
 class TestSplitting:
@@ -313,3 +339,58 @@ class TestRandomised:
             if not decoder.mid_frame:
                 # Every byte is accounted for: framed payloads, framing, junk.
                 assert skipped + sum(size + 3 for _, _, size in got) == len(stream), stream
+
+
+# -- properties (hypothesis) ---------------------------------------------------
+
+PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+# Streams made of what framing is about, plus any byte at all.
+STREAM_BYTES = st.lists(
+    st.one_of(st.sampled_from([b"a", b"|", b"\r", b"\n", b"\x0b", b"\x1c", b"\x1c\r", b"MSH|"]), st.binary(max_size=4)),
+    max_size=60,
+).map(b"".join)
+
+
+class TestFramerProperties:
+    @PROPERTY
+    @given(STREAM_BYTES, st.integers(1, 24), st.lists(st.integers(1, 9), min_size=1, max_size=20))
+    def test_any_stream_any_chunking_decodes_like_the_reference(
+        self, stream: bytes, limit: int, steps: list[int]
+    ) -> None:
+        """However a stream is split into reads, the events are the reference model's and every byte is accounted for."""
+        decoder = MllpDecoder(limit)
+        got: list[tuple[str, bytes, int]] = []
+        skipped = 0
+        pos = 0
+        index = 0
+        while pos < len(stream):
+            step = steps[index % len(steps)]
+            index += 1
+            for event in decoder.feed(stream[pos : pos + step]):
+                if isinstance(event, Frame):
+                    got.append(("frame", event.payload, len(event.payload)))
+                elif isinstance(event, OversizeFrame):
+                    got.append(("oversize", event.prefix, event.size))
+                else:
+                    skipped += event.count
+            pos += step
+            # Memory stays bounded whatever the input.
+            assert decoder.buffered_bytes() <= min(limit, OVERSIZE_PREFIX_BYTES)
+        assert got == reference_decode(stream, limit)
+        if not decoder.mid_frame:
+            assert skipped + sum(size + 3 for _, _, size in got) == len(stream)
+
+    @PROPERTY
+    @given(st.binary(max_size=200))
+    def test_any_ack_bytes_make_exactly_one_frame(self, ack: bytes) -> None:
+        """encode_ack_frame of any bytes decodes as one frame, no junk, nothing left pending."""
+        decoder = MllpDecoder(1 << 20)
+        events = decoder.feed(encode_ack_frame(ack))
+        assert events == [Frame(frame_safe(ack))]
+        assert not decoder.mid_frame
+
+    @PROPERTY
+    @given(st.binary(max_size=200).filter(lambda p: b"\x0b" not in p and b"\x1c\r" not in p))
+    def test_encode_frame_round_trips_every_payload_a_sender_can_send(self, payload: bytes) -> None:
+        """A payload that can arrive in a frame (no VT, no FS CR) re-frames byte for byte (hand-over)."""
+        assert MllpDecoder(1 << 20).feed(encode_frame(payload)) == [Frame(payload)]

@@ -1,0 +1,452 @@
+"""Hostile input for intake, and the one harness that drives the whole frame handler.
+
+Used by the property tests (tests/unit/test_*.py, tests/integration/
+test_frame_handler_properties.py) and by the long fuzz run
+(bench/fuzz_intake.py). Two parts:
+
+- ``mutate`` / ``mutated_message``: real messages (tests/data/*.hl7 and the
+  tests/agenttest.py samples) damaged the ways senders and attackers damage
+  them: MLLP block bytes and NULs inside fields, odd separators, MSH-18 naming
+  Python transforms, MSH-15/16 values, truncation, wide encodings.
+- ``FrameHandler``: today's frame handler, ``listener.Connection``, on a real
+  connection to a real ``ChannelListener`` on 127.0.0.1 with the real Writer
+  and SQLite in a temporary folder. ``handle`` runs one frame payload through
+  the handler and reads back, off the socket, exactly what it wrote;
+  ``stream`` writes raw bytes and reads every ACK until a sentinel's.
+  Everything the properties need comes out of ``Handled``/``Streamed``, so
+  pointing the harness at a pure intake core later changes only this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import sqlite3
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+from agenttest import SAMPLE_ADT, hl7_message, until
+from structlog.testing import capture_logs
+
+from agent import db, envelope, mllp
+from agent.acks import read_ack_code
+from agent.config import ChannelSettings
+from agent.listener import ChannelListener, Connection, IntakeContext
+from agent.relay import AckRelay
+from agent.store import SqliteStore
+from agent.writer import Writer
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+# -- the corpus ----------------------------------------------------------------
+
+
+def corpus() -> list[bytes]:
+    """Real messages: the tests/data samples and the agenttest ones, in their modes."""
+    messages = [path.read_bytes() for path in sorted(DATA_DIR.glob("*.hl7"))]
+    messages.append(SAMPLE_ADT.format(cid="SAMPLE-1", pid="777").encode())
+    for msh15, msh16 in (("", ""), ("AL", "AL"), ("NE", "AL"), ("ER", "NE"), ("SU", "ER"), ("AL", "")):
+        messages.append(hl7_message(f"C-{msh15 or 'x'}-{msh16 or 'x'}", msh15=msh15, msh16=msh16))
+    messages.append(hl7_message("V23", version="2.3"))
+    messages.append(hl7_message("V27", version="2.7"))
+    ack = b"MSH|^~\\&|EHR|CENTRAL|LAB|NORTH|20260101||ACK^A01^ACK|A-1|P|2.5.1\rMSA|AA|X-1\r"
+    messages.append(ack)
+    return messages
+
+
+CORPUS = corpus()
+
+#: Bytes that break things: the MLLP block bytes, segment ends, NUL, delimiters, high bytes.
+NASTY_BYTES = b"\x00\x0b\x1c\r\n|^~\\&#\xff\xfe\xef\xbb\xbf\x80\x7f \t"
+
+#: Values for MSH-18: table 0211 names, Python transforms and other codecs, junk.
+CHARSET_VALUES = (
+    "", "8859/1", "UNICODE UTF-8", "ASCII", "ISO IR87", "SJIS", "GB 18030-2000", "BIG-5", "KS X 1001",
+    "UNICODE UTF-16", "UNICODE", "utf-16", "utf-32-le", "latin-1", "utf8", "idna", "punycode", "rot13",
+    "base64", "zlib", "uu", "hex", "bz2", "quopri", "raw_unicode_escape", "unicode_escape", "utf-7",
+    "cp500", "cp1252", "mbcs", "undefined", "a\x00b", "\x00", "UTF\x1c8", "8859/1\x0b", "x" * 300,
+    "..", "encodings.idna", "8859/1~idna", "idna~8859/1",
+)
+ACK_TYPES = ("", "AL", "NE", "ER", "SU", "al", "XX", "A\x1c")
+#: Values for other MSH fields: each a way a header goes wrong.
+FIELD_VALUES = (
+    "", "ACK", "ACK^A01", "ADT^A01^ADT_A01", "^^^", "2.5.1\x1c", "2.1", "2.9", "P", "T^A", "X" * 200,
+    "\x1c", "\x0b", "\x00", "\\X1C\\", "\\", "&", "~", "\xff\xfe", "MSH|", "\x1c\x1c",
+)
+
+
+def _msh_bounds(message: bytes) -> tuple[int, int]:
+    end = len(message)
+    for stop in (b"\r", b"\n"):
+        found = message.find(stop)
+        if 0 <= found < end:
+            end = found
+    return 0, end
+
+
+def _set_msh_field(message: bytes, number: int, value: bytes) -> bytes:
+    """MSH-``number`` replaced by ``value`` (fields padded), on raw bytes with the message's own separator."""
+    start, end = _msh_bounds(message)
+    msh = message[start:end]
+    if len(msh) < 4 or not msh.startswith(b"MSH"):
+        return message
+    sep = msh[3:4]
+    fields = msh.split(sep)
+    if number < 2:
+        return message
+    while len(fields) < number:
+        fields.append(b"")
+    fields[number - 1] = value
+    return message[:start] + sep.join(fields) + message[end:]
+
+
+def mutate(rng: random.Random, message: bytes, steps: int) -> bytes:
+    """``message`` damaged by ``steps`` random operations (deterministic for a given ``rng``)."""
+    data = bytearray(message)
+    for _ in range(steps):
+        op = rng.randrange(14)
+        pos = rng.randint(0, len(data))
+        if op == 0:
+            data[pos:pos] = bytes([rng.choice(NASTY_BYTES)])
+        elif op == 1 and data:
+            data[min(pos, len(data) - 1)] = rng.randrange(256)
+        elif op == 2 and data:
+            del data[pos : pos + rng.randint(1, 8)]
+        elif op == 3:
+            data[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 6)))
+        elif op == 4:
+            data = bytearray(_set_msh_field(bytes(data), 18, rng.choice(CHARSET_VALUES).encode("latin-1")))
+        elif op == 5:
+            data = bytearray(_set_msh_field(bytes(data), rng.choice((15, 16)), rng.choice(ACK_TYPES).encode("latin-1")))
+        elif op == 6:
+            number = rng.choice((2, 3, 4, 5, 6, 9, 10, 11, 12, 13))
+            data = bytearray(_set_msh_field(bytes(data), number, rng.choice(FIELD_VALUES).encode("latin-1")))
+        elif op == 7:
+            data = bytearray(bytes(data).replace(b"\r", rng.choice((b"\n", b"\r\n", b"\r\r", b"\x1c"))))
+        elif op == 8:
+            data = data[: rng.randint(0, len(data))]
+        elif op == 9:
+            data[0:0] = rng.choice((b"\xef\xbb\xbf", b"\r\n", b"  ", b"\x00", b"\x1c", b"\x0b"))
+        elif op == 10 and len(data) > 3:
+            # another field separator, kept consistent or not
+            sep = rng.choice(b"|#!\x00\x1c\x0b a^")
+            old = data[3]
+            data = bytearray(bytes(data).replace(bytes([old]), bytes([sep]))) if rng.random() < 0.7 else data
+            data[3] = sep
+        elif op == 11:
+            segment = bytes(data).split(b"\r")
+            data = bytearray(b"\r".join(segment + segment[1:2] * rng.randint(1, 3)))
+        elif op == 12:
+            codec = rng.choice(("utf-16", "utf-16-le", "utf-32", "utf-8"))
+            data = bytearray(bytes(data).decode("latin-1").encode(codec))
+        else:
+            data[pos:pos] = rng.choice((b"\x1c", b"\x1c\x1c", b"\x1c\n", b"\x00", "\u00e9".encode(), b"\xe9"))
+    return bytes(data)
+
+
+# -- the oracle: what the contract says the handler must do with one payload ---
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a frame payload is, read independently of the handler's own path."""
+
+    has_msh: bool  # the MSH can be read at all: an ACK is owed (unless waived or an ACK)
+    is_ack: bool  # an inbound ACK: never answered
+    waivable: bool  # MSH-15 is NE/ER/SU: the commit ACK may rightly be absent
+    acceptable: bool  # MSH, separators, required fields, charset and bytes all good
+
+
+def expected(payload: bytes, channel_encoding: str = "utf-8") -> Expected:
+    wide = envelope.sniff_wide_encoding(payload)
+    if wide is not None:
+        try:
+            envelope.read_msh(payload)
+        except envelope.NoMshSegment:
+            # UTF-16/32: its MSH can be read, so it is answered (a reject) unless MSH-15 waives it.
+            env = envelope.read_wide_msh(payload, wide)
+            waivable = env is not None and env.accept_ack_type.strip().upper() in ("NE", "ER", "SU")
+            return Expected(True, False, waivable, False)
+        except envelope.EnvelopeError:
+            pass
+    try:
+        env: envelope.Envelope | None = envelope.read_msh(payload)
+    except envelope.NoMshSegment:
+        return Expected(False, False, False, False)
+    except envelope.MalformedMsh as exc:
+        partial = exc.partial
+        waivable = partial is not None and partial.accept_ack_type.strip().upper() in ("NE", "ER", "SU")
+        return Expected(True, partial is not None and partial.is_ack, waivable, False)
+    assert env is not None
+    waivable = env.accept_ack_type.strip().upper() in ("NE", "ER", "SU")
+    try:
+        envelope.decode_message(payload, envelope.resolve_codec(env.charset, channel_encoding))
+        decodable = True
+    except (envelope.EnvelopeError, envelope.UnsupportedCharset):
+        decodable = False
+    return Expected(True, env.is_ack, waivable, decodable and not env.is_ack)
+
+
+def ack_problems(ack: bytes) -> list[str]:
+    """What is wrong with one ACK payload as the sender reads it ([] when it is a good ACK)."""
+    problems = []
+    if b"\x0b" in ack or b"\x1c" in ack:
+        problems.append("MLLP block byte inside the ACK")
+    if not ack.startswith(b"MSH"):
+        problems.append("ACK does not start with MSH")
+    if b"\n" in ack:
+        problems.append("LF inside the ACK")
+    code = read_ack_code(ack)
+    if code not in ("AA", "AE", "AR", "CA", "CE", "CR"):
+        problems.append(f"MSA-1 {code!r} is no table 0008 code")
+    return problems
+
+
+def check_handled(payload: bytes, handled: Handled) -> None:
+    """Every property of one handled frame payload (AssertionError names the broken one)."""
+    assert handled.failed == [], f"the handler raised {handled.failed} (last resort used)"
+    # Every ACK written is one clean frame the sender reads as such.
+    assert handled.wire_junk == 0, "the sender had to skip bytes between ACK frames"
+    assert handled.wire_frames == [mllp.frame_safe(a) for a in handled.acks], "ACK frames on the wire differ"
+    for ack in handled.wire_frames:
+        assert ack_problems(ack) == [], (ack_problems(ack), ack)
+    assert len(handled.acks) <= 1, "more than one answer to one frame (commit mode)"
+    want = expected(payload)
+    if handled.stored:
+        # Committed (now, or by an earlier identical frame): only a well-formed
+        # frame, answered with an accept if at all, and no audit row.
+        assert want.acceptable, "a malformed frame was committed"
+        assert handled.stored == 1, "one body, one row (dedupe)"
+        assert all(code in ("AA", "CA") for code in handled.codes), "a committed frame got a reject"
+        assert handled.audited == 0, "a committed frame also left an audit row"
+    else:
+        # Never accept what was not committed; keep an audit row of it.
+        assert not handled.accepted, "an accept ACK for a frame that is not committed"
+        assert handled.audited == 1, "a frame that was not accepted left no audit row"
+    if not want.has_msh:
+        assert handled.acks == [], "a frame without MSH was answered"
+    elif want.is_ack:
+        assert handled.acks == [], "an inbound ACK was answered"
+    elif not want.waivable:
+        assert len(handled.acks) == 1, "a readable MSH got no ACK"
+
+
+def check_streamed(data: bytes, out: Streamed, limit: int) -> None:
+    """Properties of raw stream bytes: the connection still serves, every ACK is one clean frame."""
+    assert out.failed == [], f"the handler raised {out.failed} (last resort used)"
+    assert out.wire_junk == 0, "the sender had to skip bytes between ACK frames"
+    for ack in (*out.frames, out.sentinel_ack):
+        assert ack_problems(ack) == [], (ack_problems(ack), ack)
+    handled = [e for e in frames_in(data, limit) if isinstance(e, (mllp.Frame, mllp.OversizeFrame))]
+    assert len(out.frames) <= len(handled), "more ACKs than frames"
+
+
+# -- the harness ---------------------------------------------------------------
+
+MARK = b"\x0bHARNESS-MARK\x1c\r"
+_sentinels = count(1)
+
+
+@dataclass
+class Handled:
+    """What one frame payload produced."""
+
+    acks: list[bytes]  # the ACK payloads the handler asked to write
+    wire_frames: list[bytes]  # the frames the sender decoded off the socket
+    wire_junk: int  # bytes the sender's decoder had to skip (0 for well-formed frames)
+    failed: list[str]  # frame_handling_failed error types (the last resort was needed)
+    audited: int  # audit (nacked) rows added
+    stored: int  # live rows holding exactly these bytes
+
+    @property
+    def codes(self) -> list[str | None]:
+        return [read_ack_code(a) for a in self.acks]
+
+    @property
+    def accepted(self) -> bool:
+        return any(code in ("AA", "CA") for code in self.codes)
+
+
+@dataclass
+class Streamed:
+    """What a stretch of raw stream bytes produced, up to a sentinel message's ACK."""
+
+    frames: list[bytes]  # ACK frames read before the sentinel's
+    sentinel_ack: bytes
+    wire_junk: int
+    failed: list[str]
+    logs: list[dict[str, Any]] = field(default_factory=list)
+
+
+class FrameHandler:
+    """The whole frame handler (``listener.Connection``) over a real connection; see the module docstring."""
+
+    def __init__(self, data_dir: Path, **channel: Any) -> None:
+        self.data_dir = data_dir
+        self.channel = ChannelSettings(name="fuzz", listen="127.0.0.1:0", **channel)
+        self.loop = asyncio.new_event_loop()
+        self.db_path = data_dir / "queue.db"
+        self._decoder = mllp.MllpDecoder(1 << 24)
+        self._pending: list[bytes] = []
+        self._junk = 0
+
+    # -- lifecycle
+
+    def __enter__(self) -> FrameHandler:
+        conn = db.open_database(self.db_path, "harness", db.DatabaseOptions(), time.time())
+        self.writer = Writer(SqliteStore(conn, db.load_queries(), db_path=self.db_path))
+        self.writer.start()
+        self.reader_db = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=10)
+        try:
+            self.loop.run_until_complete(self._open())
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    async def _open(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.listener = ChannelListener(self.channel, self.sock, IntakeContext(writer=self.writer, relay=AckRelay(None)))
+        await self.listener.start()
+        await self._connect()
+
+    async def _connect(self) -> None:
+        """A fresh sender connection (also after an example broke the previous one)."""
+        known = set(self.listener.connections)
+        host, port = self.sock.getsockname()[:2]
+        self.client_reader, self.client_writer = await asyncio.open_connection(host, port)
+        await until(lambda: set(self.listener.connections) - known, 10, "the harness connection accepted")
+        self.conn: Connection = next(iter(set(self.listener.connections) - known))
+        self._decoder = mllp.MllpDecoder(1 << 24)
+        self._pending = []
+
+    def _run(self, coro: Any) -> Any:
+        """Run one example; if it fails, start the next one on a new connection (so shrinking works)."""
+        try:
+            return self.loop.run_until_complete(asyncio.wait_for(coro, 15))
+        except BaseException:
+            async def reconnect() -> None:
+                self.client_writer.close()
+                self.conn.abort()
+                await self._connect()
+
+            self.loop.run_until_complete(reconnect())
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        async def close() -> None:
+            if hasattr(self, "client_writer"):
+                self.client_writer.close()
+            if hasattr(self, "listener"):
+                self.listener.stop_accepting()
+                self.listener.abort_connections()
+                async with asyncio.timeout(10):
+                    await self.listener.wait_connections_closed()
+
+        try:
+            self.loop.run_until_complete(close())
+        finally:
+            self.loop.close()
+            if hasattr(self, "reader_db"):
+                self.reader_db.close()
+            if hasattr(self, "writer"):
+                self.writer.close()
+
+    # -- one payload through the handler
+
+    def handle(self, payload: bytes) -> Handled:
+        return self._run(self._handle(payload))  # type: ignore[no-any-return]
+
+    async def _handle(self, payload: bytes) -> Handled:
+        if not self.conn._audit_quota_left():
+            # Audit rows are bounded per connection and minute (only counted
+            # beyond): each example is about one frame, so it gets a
+            # connection whose quota is not spent. The bound itself is tested
+            # in tests/integration/test_admission.py.
+            self.client_writer.close()
+            await self._connect()
+        # Audit rows of earlier frames (a stream's, submitted before its last
+        # ACK went out) must be committed before this frame's are counted.
+        await self.writer.run(lambda _s: None)
+        before = self._nacked()
+        with capture_logs() as logs:
+            reply = await self.conn._handle_frame(payload, time.time())
+            for ack, on_written in reply.acks:
+                written = await self.conn._write_ack(ack)
+                if on_written is not None:
+                    on_written(written)
+        await self.writer.run(lambda _s: None)  # audit rows are committed before they are counted
+        self.conn.writer.write(MARK)
+        await self.conn.writer.drain()
+        frames, junk = await self._read_until(lambda frame: frame == MARK[1:-2])
+        return Handled(
+            acks=[ack for ack, _ in reply.acks],
+            wire_frames=frames[:-1],
+            wire_junk=junk,
+            failed=[str(e.get("error_type")) for e in logs if e["event"] == "frame_handling_failed"],
+            audited=self._nacked() - before,
+            stored=self._stored(payload),
+        )
+
+    # -- raw stream bytes through the connection's own read loop
+
+    def stream(self, data: bytes) -> Streamed:
+        return self._run(self._stream(data))  # type: ignore[no-any-return]
+
+    async def _stream(self, data: bytes) -> Streamed:
+        cid = f"SENTINEL-{next(_sentinels)}"
+        sentinel = hl7_message(cid)
+        with capture_logs() as logs:
+            self.client_writer.write(data + mllp.encode_frame(sentinel))
+            await self.client_writer.drain()
+            marker = f"\rMSA|AA|{cid}|".encode()
+            frames, junk = await self._read_until(lambda frame: marker in frame)
+        return Streamed(
+            frames=frames[:-1],
+            sentinel_ack=frames[-1],
+            wire_junk=junk,
+            failed=[str(e.get("error_type")) for e in logs if e["event"] == "frame_handling_failed"],
+            logs=logs,
+        )
+
+    # -- internals
+
+    async def _read_until(self, last: Any) -> tuple[list[bytes], int]:
+        """Frames the sender reads, up to and including the first for which ``last`` is true."""
+        frames: list[bytes] = []
+        self._junk = 0
+        while True:
+            while self._pending:
+                frame = self._pending.pop(0)
+                frames.append(frame)
+                if last(frame):
+                    return frames, self._junk
+            data = await self.client_reader.read(1 << 16)
+            if not data:
+                raise ConnectionError("the agent closed the harness connection")
+            for event in self._decoder.feed(data):
+                if isinstance(event, mllp.Frame):
+                    self._pending.append(event.payload)
+                elif isinstance(event, mllp.JunkSkipped):
+                    self._junk += event.count
+                else:
+                    self._junk += event.size
+
+    def _nacked(self) -> int:
+        return int(self.reader_db.execute("SELECT count(*) FROM messages WHERE state = 'nacked'").fetchone()[0])
+
+    def _stored(self, payload: bytes) -> int:
+        row = self.reader_db.execute(
+            "SELECT count(*) FROM messages WHERE state <> 'nacked' AND body = ?", (payload,)
+        ).fetchone()
+        return int(row[0])
+
+
+def frames_in(data: bytes, limit: int) -> Iterator[mllp.Event]:
+    """The framer's events for a whole stream (what the handler is given)."""
+    yield from mllp.MllpDecoder(limit).feed(data)
