@@ -292,17 +292,30 @@ class Agent:
         return f"listening on {len(self.listeners)} channel(s); {up}{held}"
 
     async def _watchdog(self) -> None:
+        """WATCHDOG=1 at half of WatchdogSec= (sd_watchdog_enabled(3)), STATUS= when it changes.
+
+        The ping comes from this event-loop task, so a wedged loop misses it
+        and systemd restarts the service. STATUS= is refreshed on its own
+        cadence, which never delays a ping.
+        """
+        loop = asyncio.get_running_loop()
         interval = self.notifier.watchdog_interval()  # already half of WATCHDOG_USEC
-        period = min(interval, 10.0) if interval else 10.0
+        status_period = 5.0
+        next_ping = next_status = loop.time()
         last_status = ""
         while True:
-            if interval:
+            now = loop.time()
+            if interval and now >= next_ping:
                 self.notifier.watchdog()
-            status = self._status_line()
-            if status != last_status:
-                self.notifier.status(status)
-                last_status = status
-            await asyncio.sleep(period)
+                next_ping = now + interval
+            if now >= next_status:
+                status = self._status_line()
+                if status != last_status:
+                    self.notifier.status(status)
+                    last_status = status
+                next_status = now + status_period
+            wake = min(next_ping, next_status) if interval else next_status
+            await asyncio.sleep(max(0.0, wake - loop.time()))
 
     async def _maintenance(self) -> None:
         """WAL checkpoint when dirty and the retention sweep, in every process (not lease-bound)."""
