@@ -29,6 +29,12 @@ the flag before every accept and puts it back (logging
 applies to a blocking accept (socket(7)), bounds the stall to
 ``ACCEPT_STALL_BOUND_S`` should the flag be cleared between check and call.
 
+Sockets this process bound or took over are also given to systemd's file
+descriptor store (``FDSTORE=1``, sd_pid_notify_with_fds(3)) when it runs under
+a unit with ``FileDescriptorStoreMax=``: after a crash systemd passes them
+back to the restarted process, and connections arriving in between wait in
+the kernel's accept queue instead of being refused.
+
 Handover wire format (one connection per handover, version 1):
     server -> client: one JSON line ``{"v":1,"names":[...],"pid":N}\\n``; the
                       fds, in ``names`` order, ride on the same sendmsg.
@@ -48,7 +54,7 @@ import secrets
 import socket
 import struct
 import time
-from collections.abc import Callable, Coroutine, MutableMapping
+from collections.abc import Callable, Coroutine, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +76,9 @@ _TCP_MIGRATE_REQ = Path("/proc/sys/net/ipv4/tcp_migrate_req")
 ACCEPT_STALL_BOUND_S = 0.05
 #: How often ``listener_blocking_mode_repaired`` is logged per listener at most.
 _REPAIR_LOG_INTERVAL_S = 60.0
+#: Suffix of the names under which our own listeners sit in systemd's fd store,
+#: so a restarted process tells them from a socket unit's (FileDescriptorName=).
+STORED_SUFFIX = ".stored"
 
 
 # --------------------------------------------------------------------------
@@ -209,6 +218,79 @@ def inherited_sockets(
         count=count,
     )
     return result
+
+
+def _notify_address(environ: Mapping[str, str]) -> str | None:
+    """$NOTIFY_SOCKET as an AF_UNIX address (``@name``: abstract namespace), or None."""
+    raw = environ.get("NOTIFY_SOCKET", "")
+    if raw.startswith("@"):
+        return "\0" + raw[1:]
+    if raw.startswith("/"):
+        return raw
+    return None
+
+
+def store_listeners(
+    listeners: Mapping[str, socket.socket],
+    environ: Mapping[str, str] = os.environ,
+) -> list[str]:
+    """Give systemd a copy of each listener to keep across restarts; the channel names stored.
+
+    One ``FDSTORE=1`` datagram per listener with its fd attached (SCM_RIGHTS)
+    and ``FDNAME=<channel>.stored`` (sd_pid_notify_with_fds(3)). systemd keeps
+    them while the unit restarts (crash, watchdog) and passes them back in
+    LISTEN_FDS; it closes them when the unit stops. Without NOTIFY_SOCKET
+    (run by hand, Docker) nothing is sent. A unit without
+    ``FileDescriptorStoreMax=`` drops them (systemd logs that); a send that
+    fails is logged and costs only the zero-refusal restart.
+    """
+    address = _notify_address(environ)
+    if address is None or not listeners:
+        return []
+    stored: list[str] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify:
+        notify.settimeout(0.5)
+        for name, sock in listeners.items():
+            payload = f"FDSTORE=1\nFDNAME={name}{STORED_SUFFIX}\n".encode("ascii")
+            rights = array.array("i", [sock.fileno()]).tobytes()
+            try:
+                notify.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)], 0, address)
+            except OSError as exc:
+                log.warning("listener_not_stored", channel=name, error=str(exc))
+                continue
+            stored.append(name)
+    if stored:
+        log.info("listeners_stored_with_systemd", channels=stored)
+    return stored
+
+
+def forget_stored_listener(name: str, environ: Mapping[str, str] = os.environ) -> None:
+    """Ask systemd to close a listener it keeps for us (``FDSTOREREMOVE=1``), e.g. a stale address."""
+    address = _notify_address(environ)
+    if address is None:
+        return
+    payload = f"FDSTOREREMOVE=1\nFDNAME={name}{STORED_SUFFIX}\n".encode("ascii")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify:
+            notify.settimeout(0.5)
+            notify.sendto(payload, address)
+    except OSError as exc:
+        log.warning("stored_listener_not_removed", channel=name, error=str(exc))
+
+
+def same_address(sock: socket.socket, host: str, port: int) -> bool:
+    """Whether ``sock`` is bound where ``host:port`` would bind (port 0: any port)."""
+    try:
+        bound = sock.getsockname()
+        infos = socket.getaddrinfo(
+            _split_host(host), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError:
+        return False
+    if not infos:  # pragma: no cover - getaddrinfo raises instead
+        return False
+    want = infos[0][4]
+    return bool(want[0] == bound[0] and (port == 0 or want[1] == bound[1]))
 
 
 # --------------------------------------------------------------------------
