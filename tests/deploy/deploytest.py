@@ -617,15 +617,23 @@ class NspawnMachine:
         except OSError:
             return False
 
-    def journal(self, unit: str, *, priority: str | None = None, since_cursor: str | None = None) -> list[dict[str, Any]]:
-        """The unit's journal entries (``journalctl -o json``), optionally filtered by priority."""
+    def journal(self, unit: str, *, priority: str | None = None, since: int | None = None) -> list[dict[str, Any]]:
+        """The unit's journal entries (``journalctl -o json``), optionally by priority and after a mark.
+
+        ``since`` is a ``mark()``; entries are filtered on their timestamp here,
+        because journalctl 252 combined with matches skips the first matching
+        entry after ``--after-cursor`` when the cursor's own entry does not match.
+        """
         args = f"journalctl --no-pager -o json -u {unit}"
         if priority:
             args += f" -p {priority}"
-        if since_cursor:
-            args += f" --after-cursor='{since_cursor}'"
+        if since is not None:
+            args += f" --since=@{since // 1_000_000}"
         out = self.sh(args, check=False).stdout
-        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        entries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if since is not None:
+            entries = [e for e in entries if int(e["__REALTIME_TIMESTAMP"]) > since]
+        return entries
 
     def daemon_events(self, unit: str, name: str | None = None, **kwargs: Any) -> list[dict[str, Any]]:
         """The daemon's own JSON log lines in the unit's journal (event ``name`` if given)."""
@@ -641,10 +649,10 @@ class NspawnMachine:
                         events.append(event)
         return events
 
-    def cursor(self) -> str:
-        """The journal's current end, for 'what was logged after this point'."""
+    def mark(self) -> int:
+        """The journal's newest timestamp (µs since the epoch), for 'what was logged after this'."""
         out = self.sh("journalctl --no-pager -n 1 -o json", check=False).stdout.strip()
-        return str(json.loads(out.splitlines()[-1])["__CURSOR"]) if out else ""
+        return int(json.loads(out.splitlines()[-1])["__REALTIME_TIMESTAMP"]) if out else 0
 
 
 #: What the systemd machines' root filesystem holds besides minbase (part of its cache key).

@@ -10,6 +10,7 @@ service and run in this order; each leaves it running and healthy.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -178,21 +179,24 @@ class TestJournal:
         every daemon line sits at its own level's priority and is still one JSON object."""
         m = world.machine
         ensure_running(world)
-        cursor = m.cursor()
+        mark = m.mark()
         world.dev.server.token = "not-the-agent-token"
         try:
             world.dev.call(world.dev.server.close_connections())
 
-            wait_for(lambda: m.daemon_events(UNIT, "upstream_auth_failed", since_cursor=cursor), 60,
+            wait_for(lambda: m.daemon_events(UNIT, "upstream_auth_failed", since=mark), 60,
                      interval=0.5, what="upstream_auth_failed in the journal")
         finally:
             world.dev.server.token = TOKEN
-        logged = m.daemon_events(UNIT, "upstream_auth_failed", since_cursor=cursor)
-        shown = m.daemon_events(UNIT, "upstream_auth_failed", priority="err", since_cursor=cursor)
+        logged = m.daemon_events(UNIT, "upstream_auth_failed", since=mark)
+        shown = m.daemon_events(UNIT, "upstream_auth_failed", priority="err", since=mark)
         assert shown, f"journalctl -p err shows no upstream_auth_failed; it was logged at PRIORITY={logged[0]['_PRIORITY']}"
         levels = {"error": "3", "warning": "4", "info": "6", "debug": "7"}
-        events = m.daemon_events(UNIT, since_cursor=cursor)
-        assert events
+        own = [e for e in m.journal(UNIT, since=mark) if e.get("SYSLOG_IDENTIFIER") == "hl7-agent"]
+        for entry in own:  # the level travels beside the line, never inside it
+            json.loads(entry["MESSAGE"])
+        events = m.daemon_events(UNIT, since=mark)
+        assert events and len(events) == len(own)
         for event in events:
             assert event["_PRIORITY"] == levels[event["level"]], event
         # Back to normal: the agent reconnects with the right token and delivers.
@@ -227,13 +231,13 @@ class TestWatchdog:
         ensure_running(world)
         old = m.main_pid(UNIT)
         restarts = int(m.show(UNIT, "NRestarts"))
-        cursor = m.cursor()
+        mark = m.mark()
         os.kill(m.host_pid(old), signal.SIGSTOP)
         wait_for(lambda: m.main_pid(UNIT) not in (0, old) and m.show(UNIT, "ActiveState") == "active",
                  60, interval=0.5, what="a new main process after the watchdog fired")
         assert int(m.show(UNIT, "NRestarts")) == restarts + 1
-        systemd_lines = m.sh(f"journalctl --no-pager -o cat -u {UNIT} --after-cursor='{cursor}'").stdout
-        assert "Watchdog timeout" in systemd_lines, systemd_lines
+        systemd_lines = [e.get("MESSAGE", "") for e in m.journal(UNIT, since=mark)]
+        assert any("Watchdog timeout" in line for line in systemd_lines), systemd_lines
         ack = exchange_in(m.netns, PORTS["lab"], hl7_message("AFTER-WATCHDOG-1"))
         assert ack_code(ack) == "AA", ack
 
@@ -263,11 +267,11 @@ class TestUnderLoad:
         `systemctl start` every message that got an AA reaches the server once, in order."""
         m = world.machine
         ensure_running(world)
-        cursor = m.cursor()
+        mark = m.mark()
         with Load(m.netns, PORTS, "STOP") as load:
             load.wait_acked(20)
             m.sh(f"systemctl stop {UNIT}", timeout=60)
-            stopped = m.daemon_events(UNIT, "agent_stopped", since_cursor=cursor)
+            stopped = m.daemon_events(UNIT, "agent_stopped", since=mark)
             assert stopped and stopped[-1]["exit_code"] == 0, stopped
             assert m.show(UNIT, "ExecMainStatus") == "0"
             m.sh(f"systemctl start {UNIT}")

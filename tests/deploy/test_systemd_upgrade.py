@@ -94,7 +94,7 @@ class TestPair:
         """upgrade.sh to 1.1.0 while senders send on both channels: green takes over, no
         connection is refused, every message gets its AA and reaches the server once, in order."""
         m = world.machine
-        cursor = m.cursor()
+        mark = m.mark()
         with Load(m.netns, PORTS, "UPGRADE") as load:
             load.wait_acked(20)
             proc = m.sh(doc_block("systemd-upgrade"), cwd="/root/release", check=False, timeout=300)
@@ -111,7 +111,7 @@ class TestPair:
         assert sources.get("systemd") == ["adt"], sources
         assert "lab" in sources.get("handover", []), sources
         # With NonBlocking=yes systemd no longer switches blue's listener to blocking mode.
-        assert not [e for e in m.daemon_events(BLUE, "listener_blocking_mode_repaired", since_cursor=cursor)]
+        assert not [e for e in m.daemon_events(BLUE, "listener_blocking_mode_repaired", since=mark)]
         assert load.refused == 0, load.report()
         load.assert_delivered_once_in_order(world.dev)
 
