@@ -1,19 +1,22 @@
 # syntax=docker/dockerfile:1
 # hl7-agent: HL7 v2 over MLLP in, durable SQLite queue, forwarded over a WebSocket.
 #
-#   docker build -t hl7-agent .
-#   docker run -d --name hl7-agent -p 2575:2575 \
-#     -v hl7-agent-data:/var/lib/hl7-agent \
-#     -e HL7_AGENT_SERVER__URL=wss://hl7.example.org/agent \
+#   docker build -t hl7-agent:1.0.0 .
+#   docker run -d --name hl7-agent --stop-timeout 30 -p 2575:2575 \
+#     -v hl7-agent-data:/var/lib/hl7-agent --env-file /etc/hl7-agent/agent.env \
+#     -v /etc/hl7-agent/token:/run/secrets/hl7-agent-token:ro \
 #     -e HL7_AGENT_SERVER__TOKEN_FILE=/run/secrets/hl7-agent-token \
-#     -e 'HL7_AGENT_CHANNELS=[{"name":"adt","listen":"0.0.0.0:2575"}]' hl7-agent
+#     -e 'HL7_AGENT_CHANNELS=[{"name": "adt", "listen": "0.0.0.0:2575"}]' hl7-agent:1.0.0
 #
-# Configuration comes from the environment alone (SPEC 3), or from a file
+# docs/deploy.md (section Docker) has the full steps, run verbatim by
+# tests/deploy/test_container.py, and the two-container upgrade overlap.
+# Configuration comes from the environment alone, or from a file
 # mounted at /etc/hl7-agent/agent.toml (the default path, read only if it
 # exists). HL7_AGENT_CONFIG is deliberately not set here: a missing file named
 # by it would be an error. No secret is ever baked into a layer: pass the
-# token by env, a secret file (token_file) or a compose/swarm secret.
-# docs/deploy.md has the two-container upgrade overlap recipe.
+# token as a mounted file (token_file) or a compose/swarm secret.
+# Podman: build with --format docker (or BUILDAH_FORMAT=docker), or the image
+# loses its HEALTHCHECK (OCI images have none).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -65,6 +68,8 @@ EXPOSE 2575 9575
 USER 10001:10001
 WORKDIR /var/lib/hl7-agent
 # Runs inside the container, so the default 127.0.0.1 admin address works.
+# Podman runs it periodically only through systemd timers: to wait for a
+# container, run `docker exec NAME hl7-agent health` instead (docs/deploy.md).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
     CMD ["hl7-agent", "health"]
 # The daemon drains on SIGTERM (stop accepting, finish, release the lease);

@@ -35,6 +35,7 @@ from agent.aio import unless
 from agent.envelope import Envelope, MalformedMsh, NoMshSegment
 from agent.errors import HL7Error, StorageError
 from agent.relay import AckRelay
+from agent.sockets import guard_listener
 from agent.store import AuditItem, IntakeItem, IntakeResult
 from agent.writer import Writer
 
@@ -186,7 +187,10 @@ class ChannelListener:
         self.log = log.bind(channel=channel.name)
 
     async def start(self) -> None:
-        self.sock.setblocking(False)
+        # The listener may be shared with other processes (systemd, a
+        # predecessor or successor), any of which can switch it to blocking
+        # mode: guard accept() against that (see agent.sockets).
+        self.sock = guard_listener(self.sock)
         # asyncio calls listen() again: keep the shared socket's deep backlog
         # (a successor shares this accept queue during an upgrade).
         self._server = await asyncio.start_server(

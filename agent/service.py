@@ -106,27 +106,47 @@ class Agent:
         self.reader = Reader(make_store(db.connect(s.db_path, options, create=False), s))
 
     async def _listening_sockets(self) -> dict[str, socket.socket]:
-        """systemd's sockets, else a predecessor's (handover), else bind (SPEC 7)."""
-        wanted = {c.name for c in self.settings.channels}
+        """systemd's sockets, else a predecessor's (handover), else bind (SPEC 7).
+
+        systemd passes a socket unit's listeners (named after the channel) and
+        those we gave its fd store before a crash (named ``<channel>.stored``).
+        A stored one whose address no longer matches the channel's ``listen``
+        (the configuration changed) is dropped from the store and bound anew;
+        a socket unit's always wins, as its ListenStream= is the operator's
+        choice. Whatever we bound or were handed goes to the fd store, so a
+        restart after a crash refuses no connection.
+        """
+        channels = {c.name: c for c in self.settings.channels}
         found: dict[str, socket.socket] = {}
         inherited = sockets.inherited_sockets()
         for name, socks in inherited.items():
-            if name in wanted and socks:
-                found[name] = socks[0]
-                for extra in socks[1:]:
-                    extra.close()
+            channel_name = name.removesuffix(sockets.STORED_SUFFIX)
+            stored = channel_name != name
+            channel = channels.get(channel_name)
+            if channel is None or not socks or channel_name in found:
+                if channel is None and not stored:
+                    log.warning("inherited_socket_unused", name=name, hint="FileDescriptorName must equal a channel name")
+                usable = False
             else:
-                log.warning("inherited_socket_unused", name=name, hint="FileDescriptorName must equal a channel name")
-                for sock in socks:
-                    sock.close()
+                usable = not stored or sockets.same_address(socks[0], channel.host, channel.port)
+            if not usable and stored:
+                # A channel removed or moved since the crash: never keep serving the old address.
+                log.info("stored_listener_dropped", channel=channel_name)
+                sockets.forget_stored_listener(channel_name)
+            if usable:
+                found[channel_name] = socks[0]
+                socks = socks[1:]
+            for sock in socks:
+                sock.close()
         if found:
             log.info("listeners_inherited_from_systemd", channels=sorted(found))
-        missing = wanted - found.keys()
+        to_store: dict[str, socket.socket] = {}
+        missing = channels.keys() - found.keys()
         if missing:
             handed = await sockets.receive_handover(self.settings.agent.data_dir / HANDOVER_SOCKET)
             for name, sock in (handed or {}).items():
                 if name in missing:
-                    found[name] = sock
+                    found[name] = to_store[name] = sock
                 else:
                     sock.close()
             if handed:
@@ -143,13 +163,16 @@ class Agent:
                     "net.ipv4.tcp_migrate_req=1; prefer the handover socket or systemd activation",
                 )
             try:
-                found[channel.name] = sockets.bind_listener(channel.host, channel.port, reuse_port=reuse_port)
+                found[channel.name] = to_store[channel.name] = sockets.bind_listener(
+                    channel.host, channel.port, reuse_port=reuse_port
+                )
             except OSError as exc:
                 # A runtime failure (exit 1), not a configuration error: the
                 # same config works once the port is free.
                 raise LocalError(
                     f"channels.{channel.name}.listen: cannot listen on {channel.listen}: {exc.strerror or exc}"
                 ) from exc
+        sockets.store_listeners(to_store)
         return found
 
     def _view(self) -> RuntimeView:
@@ -301,17 +324,30 @@ class Agent:
         return f"listening on {len(self.listeners)} channel(s); {up}{held}"
 
     async def _watchdog(self) -> None:
+        """WATCHDOG=1 at half of WatchdogSec= (sd_watchdog_enabled(3)), STATUS= when it changes.
+
+        The ping comes from this event-loop task, so a wedged loop misses it
+        and systemd restarts the service. STATUS= is refreshed on its own
+        cadence, which never delays a ping.
+        """
+        loop = asyncio.get_running_loop()
         interval = self.notifier.watchdog_interval()  # already half of WATCHDOG_USEC
-        period = min(interval, 10.0) if interval else 10.0
+        status_period = 5.0
+        next_ping = next_status = loop.time()
         last_status = ""
         while True:
-            if interval:
+            now = loop.time()
+            if interval and now >= next_ping:
                 self.notifier.watchdog()
-            status = self._status_line()
-            if status != last_status:
-                self.notifier.status(status)
-                last_status = status
-            await asyncio.sleep(period)
+                next_ping = now + interval
+            if now >= next_status:
+                status = self._status_line()
+                if status != last_status:
+                    self.notifier.status(status)
+                    last_status = status
+                next_status = now + status_period
+            wake = min(next_ping, next_status) if interval else next_status
+            await asyncio.sleep(max(0.0, wake - loop.time()))
 
     async def _maintenance(self) -> None:
         """Retention, room for intake and a WAL that gives its space back, in every process.

@@ -18,6 +18,23 @@ Never call ``shutdown()`` on a listener obtained here: it acts on the shared
 socket and would stop the successor's accepts too. ``close()`` only drops
 this process's reference.
 
+The file status flags, O_NONBLOCK among them, belong to the open file
+description, which every process sharing a listener shares too (fcntl(2)).
+Another process can therefore switch *our* listener to blocking mode: systemd
+does exactly that when it passes a socket to a unit without ``NonBlocking=yes``
+(the default is no, and it clears the flag). An event loop would then block
+inside accept4() until the next connection arrives. ``ListeningSocket`` checks
+the flag before every accept and puts it back (logging
+``listener_blocking_mode_repaired``), and ``SO_RCVTIMEO``, which Linux also
+applies to a blocking accept (socket(7)), bounds the stall to
+``ACCEPT_STALL_BOUND_S`` should the flag be cleared between check and call.
+
+Sockets this process bound or took over are also given to systemd's file
+descriptor store (``FDSTORE=1``, sd_pid_notify_with_fds(3)) when it runs under
+a unit with ``FileDescriptorStoreMax=``: after a crash systemd passes them
+back to the restarted process, and connections arriving in between wait in
+the kernel's accept queue instead of being refused.
+
 Handover wire format (one connection per handover, version 1):
     server -> client: one JSON line ``{"v":1,"names":[...],"pid":N}\\n``; the
                       fds, in ``names`` order, ride on the same sendmsg.
@@ -30,12 +47,14 @@ import array
 import asyncio
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import secrets
 import socket
 import struct
-from collections.abc import Callable, Coroutine, MutableMapping
+import time
+from collections.abc import Callable, Coroutine, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +70,89 @@ _PROTOCOL_VERSION = 1
 _MAX_HEADER_BYTES = 64 * 1024
 _MAX_FDS = 253  # SCM_MAX_FD, the kernel's limit per message (unix(7))
 _TCP_MIGRATE_REQ = Path("/proc/sys/net/ipv4/tcp_migrate_req")
+
+#: The longest an accept() on a listener switched to blocking mode behind our
+#: back may stall the event loop (SO_RCVTIMEO on the listening socket).
+ACCEPT_STALL_BOUND_S = 0.05
+#: How often ``listener_blocking_mode_repaired`` is logged per listener at most.
+_REPAIR_LOG_INTERVAL_S = 60.0
+#: Suffix of the names under which our own listeners sit in systemd's fd store,
+#: so a restarted process tells them from a socket unit's (FileDescriptorName=).
+STORED_SUFFIX = ".stored"
+
+
+# --------------------------------------------------------------------------
+# listeners shared with other processes
+
+
+class ListeningSocket(socket.socket):
+    """A listening socket whose ``accept()`` never waits, whoever else shares it.
+
+    asyncio calls ``accept()`` in a loop until it raises BlockingIOError; on
+    a listener that another process switched to blocking mode the last call
+    would wait for the next connection with the whole event loop. The flag is
+    checked (one fcntl) and put back before each call. Accepted connections
+    are plain sockets.
+    """
+
+    __slots__ = ()
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        restore_nonblocking(self)
+        return super().accept()
+
+
+_repairs: dict[int, tuple[float, int]] = {}
+
+
+def restore_nonblocking(sock: socket.socket) -> bool:
+    """Set O_NONBLOCK again when someone sharing ``sock`` cleared it; True when it was cleared."""
+    fd = sock.fileno()
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if flags & os.O_NONBLOCK:
+        return False
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    now = time.monotonic()
+    last, count = _repairs.get(fd, (float("-inf"), 0))
+    count += 1
+    if now - last >= _REPAIR_LOG_INTERVAL_S:
+        log.warning(
+            "listener_blocking_mode_repaired",
+            listen=_address_text(sock),
+            times=count,
+            hint="another process sharing this listening socket switched it to blocking mode "
+            "(systemd does so for a unit without NonBlocking=yes); set it back to non-blocking",
+        )
+        count = 0
+        last = now
+    _repairs[fd] = (last, count)
+    return True
+
+
+def guard_listener(sock: socket.socket) -> ListeningSocket:
+    """Make ``sock`` (the same object) a non-blocking ``ListeningSocket`` with a bounded accept."""
+    if not isinstance(sock, ListeningSocket):
+        if type(sock) is not socket.socket:
+            raise TypeError(f"cannot guard a listener of type {type(sock).__name__}")
+        # Same memory layout (no new slots): the object, and everyone's
+        # reference to it, simply gains the checked accept().
+        sock.__class__ = ListeningSocket
+    assert isinstance(sock, ListeningSocket)
+    sock.setblocking(False)
+    usec = int(ACCEPT_STALL_BOUND_S * 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 0, usec))
+    return sock
+
+
+def _address_text(sock: socket.socket) -> str:
+    try:
+        name = sock.getsockname()
+    except OSError:
+        return "unknown"
+    if isinstance(name, tuple) and len(name) >= 2:
+        host, port = name[0], name[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(name)
 
 
 # --------------------------------------------------------------------------
@@ -98,7 +200,7 @@ def inherited_sockets(
             # not keep the listener alive (sd_listen_fds sets it too).
             os.set_inheritable(fd, False)
             # fileno= detects family and type from the fd (uvicorn does the same).
-            sock = socket.socket(fileno=fd)
+            sock = ListeningSocket(fileno=fd)
         except OSError as exc:
             for socks in result.values():
                 for s in socks:
@@ -106,6 +208,7 @@ def inherited_sockets(
             raise HandoverError(
                 f"LISTEN_FDS fd {fd} ({name!r}) is not a usable socket: {exc.strerror}"
             ) from exc
+        # systemd passes them blocking unless the unit says NonBlocking=yes.
         sock.setblocking(False)
         result.setdefault(name, []).append(sock)
     log.info(
@@ -115,6 +218,79 @@ def inherited_sockets(
         count=count,
     )
     return result
+
+
+def _notify_address(environ: Mapping[str, str]) -> str | None:
+    """$NOTIFY_SOCKET as an AF_UNIX address (``@name``: abstract namespace), or None."""
+    raw = environ.get("NOTIFY_SOCKET", "")
+    if raw.startswith("@"):
+        return "\0" + raw[1:]
+    if raw.startswith("/"):
+        return raw
+    return None
+
+
+def store_listeners(
+    listeners: Mapping[str, socket.socket],
+    environ: Mapping[str, str] = os.environ,
+) -> list[str]:
+    """Give systemd a copy of each listener to keep across restarts; the channel names stored.
+
+    One ``FDSTORE=1`` datagram per listener with its fd attached (SCM_RIGHTS)
+    and ``FDNAME=<channel>.stored`` (sd_pid_notify_with_fds(3)). systemd keeps
+    them while the unit restarts (crash, watchdog) and passes them back in
+    LISTEN_FDS; it closes them when the unit stops. Without NOTIFY_SOCKET
+    (run by hand, Docker) nothing is sent. A unit without
+    ``FileDescriptorStoreMax=`` drops them (systemd logs that); a send that
+    fails is logged and costs only the zero-refusal restart.
+    """
+    address = _notify_address(environ)
+    if address is None or not listeners:
+        return []
+    stored: list[str] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify:
+        notify.settimeout(0.5)
+        for name, sock in listeners.items():
+            payload = f"FDSTORE=1\nFDNAME={name}{STORED_SUFFIX}\n".encode("ascii")
+            rights = array.array("i", [sock.fileno()]).tobytes()
+            try:
+                notify.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)], 0, address)
+            except OSError as exc:
+                log.warning("listener_not_stored", channel=name, error=str(exc))
+                continue
+            stored.append(name)
+    if stored:
+        log.info("listeners_stored_with_systemd", channels=stored)
+    return stored
+
+
+def forget_stored_listener(name: str, environ: Mapping[str, str] = os.environ) -> None:
+    """Ask systemd to close a listener it keeps for us (``FDSTOREREMOVE=1``), e.g. a stale address."""
+    address = _notify_address(environ)
+    if address is None:
+        return
+    payload = f"FDSTOREREMOVE=1\nFDNAME={name}{STORED_SUFFIX}\n".encode("ascii")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify:
+            notify.settimeout(0.5)
+            notify.sendto(payload, address)
+    except OSError as exc:
+        log.warning("stored_listener_not_removed", channel=name, error=str(exc))
+
+
+def same_address(sock: socket.socket, host: str, port: int) -> bool:
+    """Whether ``sock`` is bound where ``host:port`` would bind (port 0: any port)."""
+    try:
+        bound = sock.getsockname()
+        infos = socket.getaddrinfo(
+            _split_host(host), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError:
+        return False
+    if not infos:  # pragma: no cover - getaddrinfo raises instead
+        return False
+    want = infos[0][4]
+    return bool(want[0] == bound[0] and (port == 0 or want[1] == bound[1]))
 
 
 # --------------------------------------------------------------------------
@@ -134,7 +310,7 @@ def bind_listener(
     *,
     reuse_port: bool = False,
     backlog: int = 1024,
-) -> socket.socket:
+) -> ListeningSocket:
     """A non-blocking TCP listener on host:port (IPv4 or IPv6 by the host string).
 
     SO_REUSEADDR lets a restart bind over TIME_WAIT remnants; SO_REUSEPORT is
@@ -151,7 +327,7 @@ def bind_listener(
     if not infos:  # pragma: no cover - getaddrinfo raises instead
         raise OSError(errno.EADDRNOTAVAIL, f"no address for {host!r}")
     family, type_, proto, _canon, sockaddr = infos[0]
-    sock = socket.socket(family, type_, proto)
+    sock = ListeningSocket(family, type_, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
@@ -491,7 +667,7 @@ async def receive_handover(path: Path, timeout: float = 5.0) -> dict[str, socket
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
-    received: list[socket.socket] = []
+    received: list[ListeningSocket] = []
     fds: list[int] = []
     try:
         try:
@@ -516,23 +692,23 @@ async def receive_handover(path: Path, timeout: float = 5.0) -> dict[str, socket
                 while fds:
                     fd = fds.pop(0)
                     try:
-                        s = socket.socket(fileno=fd)
+                        listener = ListeningSocket(fileno=fd)
                     except OSError:
                         os.close(fd)
                         raise
-                    received.append(s)
-                for s, name in zip(received, names, strict=True):
-                    if not is_listening(s):
+                    received.append(listener)
+                for listener, name in zip(received, names, strict=True):
+                    if not is_listening(listener):
                         raise HandoverError(f"handed-over socket {name!r} is not listening")
-                    s.setblocking(False)
+                    listener.setblocking(False)
                 await send_all(loop, sock, b'{"ok":true}\n', [])
         except TimeoutError as exc:
             raise HandoverError(f"handover from {path} timed out after {timeout}s") from exc
         except OSError as exc:
             raise HandoverError(f"handover from {path} failed: {exc}") from exc
     except BaseException:
-        for s in received:
-            s.close()
+        for listener in received:
+            listener.close()
         for fd in fds:
             os.close(fd)
         raise

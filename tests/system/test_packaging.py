@@ -128,6 +128,11 @@ class TestSystemdUnits:
         assert one["NotifyAccess"] == "main"
         assert one["WatchdogSec"] == "30"
         assert one["Restart"] == "on-failure"
+        # systemd clears O_NONBLOCK on the shared socket otherwise, under the running colour.
+        assert one["NonBlocking"] == "yes"
+        # Daemon-bound listeners survive a crash in systemd's fd store.
+        assert int(one["FileDescriptorStoreMax"]) > 0
+        assert one["RestartSec"] == "1s"
         assert one["KillMode"] == "mixed"
         # The daemon's default shutdown_budget (20 s) must fit in TimeoutStopSec.
         assert int(one["TimeoutStopSec"]) > 20
@@ -165,6 +170,16 @@ class TestSystemdUnits:
         (exec_start,) = _values(path, "ExecStart")
         assert exec_start.startswith("/opt/hl7-agent-%i/bin/hl7-agent run")
 
+    @pytest.mark.parametrize("name", UNIT_FILES)
+    def test_documentation_is_installed_by_the_documented_steps(self, name: str) -> None:
+        """Documentation= names a file of docs/ that docs/deploy.md's install copies there."""
+        (url,) = _values(SYSTEMD / name, "Documentation")
+        assert url.startswith("file:///"), url
+        target = Path(url.removeprefix("file://"))
+        assert (REPO / "docs" / target.name).is_file(), target.name
+        prepare = _doc_block("systemd-prepare")
+        assert f"install -m 0644 docs/*.md {target.parent}/" in prepare, prepare
+
     def test_socket_unit(self) -> None:
         """The socket unit names its fd after the channel and serves the service."""
         one = {k: v for _s, k, v in _unit_entries(SYSTEMD / "hl7-agent.socket")}
@@ -173,6 +188,41 @@ class TestSystemdUnits:
         assert one["NoDelay"] == "true"
         assert one["Backlog"] == "1024"
         assert one["Service"] == "hl7-agent.service"
+
+
+def _doc_block(name: str) -> str:
+    """A block of docs/deploy.md marked for the deployment tests (tests/deploy/deploytest.py)."""
+    text = (REPO / "docs" / "deploy.md").read_text(encoding="utf-8")
+    match = re.search(rf"^<!-- deploy-test: {name} -->\n```[a-z]*\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    assert match, name
+    return match.group(1)
+
+
+class TestProductionConfig:
+    def test_documented_install_uses_the_production_config(self) -> None:
+        """The install copies config/agent.production.toml, not the quick-start example."""
+        prepare = _doc_block("systemd-prepare")
+        assert "config/agent.production.toml /etc/hl7-agent/agent.toml" in prepare
+        assert "agent.example.toml" not in prepare
+
+    def test_paths_are_absolute_and_valid(self, tmp_path: Path) -> None:
+        """Its paths are absolute (a relative data_dir would land in read-only /etc/hl7-agent)
+        and check-config accepts it once the token file exists."""
+        text = (REPO / "config" / "agent.production.toml").read_text(encoding="utf-8")
+        assert re.search(r'(?m)^data_dir = "/var/lib/hl7-agent"$', text)
+        assert re.search(r'(?m)^token_file = "/etc/hl7-agent/token"$', text)
+        assert not re.search(r"(?m)^token = ", text), "no token in the file itself"
+        token = tmp_path / "token"
+        token.write_text("secret\n")
+        config = tmp_path / "agent.toml"
+        config.write_text(text.replace("/etc/hl7-agent/token", str(token)))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HL7_AGENT_")}
+        proc = subprocess.run(
+            [sys.executable, "-m", "agent", "check-config", "--config", str(config)],
+            check=False, capture_output=True, text=True, timeout=60, env=env,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert 'data_dir = "/var/lib/hl7-agent"' in proc.stdout
 
 
 _FAKE_SYSTEMCTL = r"""#!/usr/bin/env bash
