@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from agent.errors import ProtocolError
-from agent.protocol import (
+from agent.core.protocol import (
     ErrorMessage,
     Hello,
     Transmit,
@@ -22,6 +21,7 @@ from agent.protocol import (
     rfc3339_utc,
     transmit_size,
 )
+from agent.errors import ProtocolError
 
 
 def make_transmit(**overrides: Any) -> Transmit:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import db, states
+from agent.core import states
+from agent.storage import sqlite as db
 
 
 def schema_sql() -> str:
@@ -45,11 +46,11 @@ def state_updates() -> dict[str, tuple[set[str], set[str]]]:
 
 class TestStateSet:
     def test_schema_check_equals_the_frozen_set(self) -> None:
-        """The messages.state CHECK holds exactly agent.states.ALL."""
+        """The messages.state CHECK holds exactly agent.core.states.ALL."""
         assert check_list("state") == set(states.ALL)
 
     def test_ack_outcome_check_equals_the_code(self) -> None:
-        """The messages.ack_outcome CHECK holds exactly agent.states.ACK_OUTCOMES."""
+        """The messages.ack_outcome CHECK holds exactly agent.core.states.ACK_OUTCOMES."""
         assert check_list("ack_outcome") == set(states.ACK_OUTCOMES)
 
     def test_database_refuses_an_unknown_state(self, tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from html.parser import HTMLParser
 from typing import Any
 
-from agent.statuspage import human_bytes, human_duration, render_status_page
+from agent.runtime.statuspage import human_bytes, human_duration, render_status_page
 
 
 def _stats(**channels: dict[str, Any]) -> dict[str, Any]:

@@ -14,8 +14,8 @@ Routes (GET and HEAD; any other method is 405):
                   no sender, so the process is not healthy however alive it is.
     /readyz       200 when the listeners are up and the database takes writes,
                   else 503 with a one-line reason (SPEC 7: the upgrade script waits on it)
-    /metrics      Prometheus exposition (agent.metrics)
-    /             the status page (agent.statuspage)
+    /metrics      Prometheus exposition (agent.runtime.metrics)
+    /             the status page (agent.runtime.statuspage)
     /status.json  the same data as JSON
 
 It binds loopback by default (SPEC 3 `[admin] listen = "127.0.0.1:9575"`):
@@ -41,10 +41,10 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from agent.addresses import format_listen, parse_listen
+from agent.core.addresses import format_listen, parse_listen
 from agent.errors import AdminListenInUse, ConfigError
-from agent.metrics import AgentMetrics
-from agent.statuspage import render_status_page
+from agent.runtime.metrics import AgentMetrics
+from agent.runtime.statuspage import render_status_page
 
 log = structlog.get_logger(__name__)
 

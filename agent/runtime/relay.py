@@ -15,10 +15,10 @@ import contextlib
 
 import structlog
 
-from agent.aio import cancel_and_wait
 from agent.errors import StorageError
-from agent.store import SqliteStore
-from agent.writer import Reader
+from agent.runtime.aio import cancel_and_wait
+from agent.storage.store import SqliteStore
+from agent.storage.writer import Reader
 
 log = structlog.get_logger(__name__)
 

@@ -3,7 +3,7 @@
 Over 400 lines on purpose: it is the configuration reference in code, one class
 per section, read side by side with docs/configuration.md.
 
-Validation context (set by :func:`agent.config.load_settings` only):
+Validation context (set by :func:`agent.app.config.load_settings` only):
 
 - ``base_dir``: relative paths are made absolute against it (the config file's
   folder, or the working directory when there is no file);
@@ -34,8 +34,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from agent.addresses import parse_listen
-from agent.config.values import (
+from agent.app.config.values import (
     ByteSize,
     Duration,
     KiB,
@@ -48,6 +47,7 @@ from agent.config.values import (
     _lower,
     _mask_url,
 )
+from agent.core.addresses import parse_listen
 from agent.errors import ConfigError
 
 

@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from agent import mllp
-from agent.acks import read_ack_code
-from agent.envelope import read_msh, resolve_codec
+from agent.core import mllp
+from agent.core.acks import read_ack_code
+from agent.core.envelope import read_msh, resolve_codec
 from agent.errors import HL7Error
 
 _LINE_ENDINGS = re.compile(rb"\r\n|\n")

@@ -44,14 +44,20 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
-from agent import __version__, acks, envelope
-from agent.aio import cancel_and_wait, unless
+from agent import __version__
+from agent.core import acks, envelope
+from agent.core.protocol import (
+    Transmit,
+    TransmitResponse,
+    classify_status,
+    max_frame_bytes,
+    rfc3339_utc,
+)
+from agent.core.retry import attempts_exhausted, backoff, retry_delay
 from agent.errors import HL7Error, LeaseLost, StorageError
-from agent.protocol import Transmit, TransmitResponse, classify_status, max_frame_bytes, rfc3339_utc
-from agent.relay import AckRelay
-from agent.retry import attempts_exhausted, backoff, retry_delay
-from agent.store import HeadRow, LeaseHolder, SqliteStore
-from agent.upstream import (
+from agent.runtime.aio import cancel_and_wait, unless
+from agent.runtime.relay import AckRelay
+from agent.runtime.upstream import (
     LeaseExpired,
     LinkSettings,
     Session,
@@ -59,11 +65,12 @@ from agent.upstream import (
     TransmitTooLarge,
     UpstreamLink,
 )
-from agent.writer import Reader, Writer
+from agent.storage.store import HeadRow, LeaseHolder, SqliteStore
+from agent.storage.writer import Reader, Writer
 
 if TYPE_CHECKING:
-    from agent.config import ChannelSettings, Settings
-    from agent.metrics import AgentMetrics
+    from agent.app.config import ChannelSettings, Settings
+    from agent.runtime.metrics import AgentMetrics
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

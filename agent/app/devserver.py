@@ -2,7 +2,7 @@
 
 For trying the agent and for tests, not for production; it shares no code
 with the agent's dispatch path beyond the frame definitions in
-``agent.protocol``, so it checks the agent against the contract rather than
+``agent.core.protocol``, so it checks the agent against the contract rather than
 against itself.
 
 Behaviour: bearer-token check in the HTTP upgrade (401 otherwise), hello ->
@@ -44,10 +44,9 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from agent.acks import AckCode, build_ack
-from agent.envelope import read_msh
-from agent.errors import ConfigError, HL7Error, ProtocolError
-from agent.protocol import (
+from agent.core.acks import AckCode, build_ack
+from agent.core.envelope import read_msh
+from agent.core.protocol import (
     PROTOCOL_VERSION,
     ErrorMessage,
     Hello,
@@ -56,6 +55,7 @@ from agent.protocol import (
     Welcome,
     parse_client_frame,
 )
+from agent.errors import ConfigError, HL7Error, ProtocolError
 
 log = structlog.get_logger(__name__)
 

@@ -8,7 +8,7 @@ the environment wins over the file. Kept here is only what pydantic-settings
 does not do: it silently ignores a prefixed variable whose section is unknown
 (``HL7_AGENT_SERVERR__URL``) and lets the last of two spellings of one name
 win, where every unknown key must be an error; its ``BaseSettings.__init__``
-drops the validation context (see :mod:`agent.config.models`); and its errors
+drops the validation context (see :mod:`agent.app.config.models`); and its errors
 do not say where a value came from.
 """
 
@@ -28,8 +28,8 @@ from pydantic_settings import EnvSettingsSource, SettingsError, TomlConfigSettin
 from pydantic_settings.sources import ConfigFileSourceType
 from pydantic_settings.sources.utils import parse_env_vars
 
-import agent.config
-from agent.config.models import _SECTION_MODELS, _SECTIONS, ChannelSettings, Settings
+import agent.app.config
+from agent.app.config.models import _SECTION_MODELS, _SECTIONS, ChannelSettings, Settings
 from agent.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/hl7-agent/agent.toml")
@@ -76,9 +76,9 @@ def resolve_config_path(
     from_env = _env_lookup(environ, CONFIG_ENV)
     if from_env:
         return Path(from_env)
-    # Read on the package at call time: replacing agent.config.DEFAULT_CONFIG_PATH
+    # Read on the package at call time: replacing agent.app.config.DEFAULT_CONFIG_PATH
     # (tests do, to keep a real /etc file out of them) must take effect here.
-    default = agent.config.DEFAULT_CONFIG_PATH
+    default = agent.app.config.DEFAULT_CONFIG_PATH
     if default.is_file():
         return default
     return None

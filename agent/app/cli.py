@@ -133,14 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> Any:
-    from agent.config import load_settings
+    from agent.app.config import load_settings
 
     return load_settings(args.config)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.logs import configure_logging, flush_logs
-    from agent.service import run_agent
+    from agent.app.service import run_agent
+    from agent.runtime.logs import configure_logging, flush_logs
 
     settings = _settings(args)
     level = "debug" if args.debug else settings.logging.level
@@ -160,7 +160,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from agent.config import render_effective
+    from agent.app.config import render_effective
 
     text = render_effective(_settings(args))
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
@@ -170,7 +170,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     # SPEC 2: exit 0 or 1 only, even on configuration errors (Docker reserves 2).
     try:
-        from agent.health import check_health
+        from agent.app.health import check_health
 
         settings = _settings(args)
         if not settings.admin.listen:
@@ -186,14 +186,14 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_send(args: argparse.Namespace) -> int:
-    from agent.client import send_files
+    from agent.app.client import send_files
 
     return send_files(args.host, args.port, args.files, timeout=args.timeout)
 
 
 def cmd_dev_server(args: argparse.Namespace) -> int:
-    from agent.devserver import read_dev_token, run_dev_server
-    from agent.logs import configure_logging, flush_logs
+    from agent.app.devserver import read_dev_token, run_dev_server
+    from agent.runtime.logs import configure_logging, flush_logs
 
     configure_logging("debug" if args.debug else "info", "console" if sys.stderr.isatty() else "json")
     try:
@@ -204,15 +204,13 @@ def cmd_dev_server(args: argparse.Namespace) -> int:
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
-    from agent import queuecmd
-
+    from agent.app.commands import queue as queuecmd
     handler: Callable[[Any, argparse.Namespace], int] = getattr(queuecmd, f"cmd_{args.queue_command}")
     return handler(_settings(args), args)
 
 
 def cmd_channel(args: argparse.Namespace) -> int:
-    from agent import queuecmd
-
+    from agent.app.commands import queue as queuecmd
     return queuecmd.cmd_channel(_settings(args), args)
 
 

@@ -24,20 +24,22 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from agent import __version__, adoption, db, sockets
-from agent.admin import AdminServer, LoopHeartbeat, RuntimeView
-from agent.aio import cancel_and_wait, unless
-from agent.config import Settings
+from agent import __version__
+from agent.app.config import Settings
 from agent.errors import AdminListenInUse, LocalError, StorageError
-from agent.listener import ChannelListener, IntakeContext
-from agent.metrics import AgentMetrics
-from agent.relay import AckRelay
-from agent.sdnotify import Notifier
-from agent.store import FREE_PAGE_SLACK, SqliteStore
-from agent.writer import Reader, Writer
+from agent.runtime import adoption, sockets
+from agent.runtime.admin import AdminServer, LoopHeartbeat, RuntimeView
+from agent.runtime.aio import cancel_and_wait, unless
+from agent.runtime.metrics import AgentMetrics
+from agent.runtime.mllp_server import ChannelListener, IntakeContext
+from agent.runtime.relay import AckRelay
+from agent.runtime.sdnotify import Notifier
+from agent.storage import sqlite as db
+from agent.storage.store import FREE_PAGE_SLACK, SqliteStore
+from agent.storage.writer import Reader, Writer
 
 if TYPE_CHECKING:
-    from agent.dispatcher import Dispatcher
+    from agent.runtime.dispatcher import Dispatcher
 
 log = structlog.get_logger(__name__)
 
@@ -234,7 +236,7 @@ class Agent:
                 # was not given its own admin address still takes messages.
                 log.error("admin_unavailable", error=str(exc))
         if s.server.url:
-            from agent.dispatcher import Dispatcher  # the dispatcher pulls in websockets
+            from agent.runtime.dispatcher import Dispatcher  # the dispatcher pulls in websockets
 
             self.dispatcher = Dispatcher(s, self.writer, self.reader, self.relay, self.metrics)
             ctx.on_committed = self.dispatcher.wake

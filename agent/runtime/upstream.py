@@ -2,7 +2,7 @@
 
 ``UpstreamLink.run()`` owns the connection: connect, hello, wait for welcome,
 publish a :class:`Session`, and reconnect with capped exponential backoff and
-jitter (``agent.retry``) whenever it drops, until ``close()``. A ``Session`` is
+jitter (``agent.core.retry``) whenever it drops, until ``close()``. A ``Session`` is
 one authenticated connection: ``transmit()`` writes one frame and waits for the
 ``transmit_response`` with the same id *and* attempt.
 
@@ -18,7 +18,7 @@ decide what a status means. Those belong to the dispatcher, which holds the
 lease and settles rows (SPEC 6); a link that retried on its own could send a
 frame the database does not know is inflight.
 
-Frames are JSON built and parsed by ``agent.protocol``; message bodies are
+Frames are JSON built and parsed by ``agent.core.protocol``; message bodies are
 never logged.
 """
 
@@ -38,9 +38,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 from websockets.http11 import USER_AGENT
 
-from agent.aio import unless
-from agent.errors import LocalError, ProtocolError
-from agent.protocol import (
+from agent.core.protocol import (
     ErrorMessage,
     Hello,
     Transmit,
@@ -48,8 +46,10 @@ from agent.protocol import (
     Welcome,
     parse_server_frame,
 )
-from agent.protocol import max_frame_bytes as _max_frame_bytes
-from agent.retry import backoff
+from agent.core.protocol import max_frame_bytes as _max_frame_bytes
+from agent.core.retry import backoff
+from agent.errors import LocalError, ProtocolError
+from agent.runtime.aio import unless
 
 log = structlog.get_logger(__name__)
 

@@ -34,11 +34,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from agent import db, states
-from agent.config import Settings, parse_duration
+from agent.app.config import Settings, parse_duration
+from agent.core import states
+from agent.core.mllp import encode_frame
 from agent.errors import DatabaseLocked, IncompatibleDatabase, StorageError, UsageError
-from agent.mllp import encode_frame
-from agent.store import SqliteStore, rfc3339
+from agent.storage import sqlite as db
+from agent.storage.store import SqliteStore, rfc3339
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -93,7 +94,7 @@ def open_store(settings: Settings, *, write: bool) -> Iterator[SqliteStore]:
     the file even by a bug. ``write=True`` checks the file belongs to this
     ``agent.id`` first (SPEC 6: two agents never share a queue by mistake).
     """
-    from agent.service import db_options, make_store
+    from agent.app.service import db_options, make_store
 
     try:
         conn = db.open_existing(settings.db_path, db_options(settings))

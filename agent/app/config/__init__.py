@@ -1,10 +1,10 @@
 """Configuration: one TOML file plus ``HL7_AGENT_<SECTION>__<KEY>`` overrides (SPEC 3).
 
-- :mod:`agent.config.values`: parsers of durations, sizes and encodings;
-- :mod:`agent.config.models`: the pydantic models, one per section, and ``Settings``;
-- :mod:`agent.config.loading`: :func:`load_settings` (pydantic-settings' TOML and
+- :mod:`agent.app.config.values`: parsers of durations, sizes and encodings;
+- :mod:`agent.app.config.models`: the pydantic models, one per section, and ``Settings``;
+- :mod:`agent.app.config.loading`: :func:`load_settings` (pydantic-settings' TOML and
   environment sources, unknown keys as errors, one-line messages);
-- :mod:`agent.config.rendering`: :func:`render_effective` for ``check-config``.
+- :mod:`agent.app.config.rendering`: :func:`render_effective` for ``check-config``.
 
 Errors are :class:`agent.errors.ConfigError` with one line naming the key, the
 problem and where the value came from, e.g.::
@@ -14,16 +14,15 @@ problem and where the value came from, e.g.::
 
 from __future__ import annotations
 
-from agent.addresses import parse_listen
-from agent.config.loading import (
+from agent.app.config.loading import (
     DEFAULT_CONFIG_PATH,
     ENV_PREFIX,
     NON_KEY_VARIABLES,
     load_settings,
     resolve_config_path,
 )
-from agent.config.models import _SECTIONS as _SECTIONS
-from agent.config.models import (
+from agent.app.config.models import _SECTIONS as _SECTIONS
+from agent.app.config.models import (
     AdminSettings,
     AgentSettings,
     ChannelSettings,
@@ -34,13 +33,14 @@ from agent.config.models import (
     Settings,
     security_features_unavailable,
 )
-from agent.config.rendering import render_effective
-from agent.config.values import (
+from agent.app.config.rendering import render_effective
+from agent.app.config.values import (
     ByteSize,
     Duration,
     parse_byte_size,
     parse_duration,
 )
+from agent.core.addresses import parse_listen
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",

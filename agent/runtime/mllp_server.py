@@ -28,19 +28,19 @@ from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
-from agent import acks, envelope, mllp
-from agent.acks import AckCode, Outcome
-from agent.adoption import NOTHING_OWED, Owed, OwedFrame, OwedRelay, OwedReply, OwedWait
-from agent.aio import unless
-from agent.envelope import Envelope, MalformedMsh, NoMshSegment
+from agent.core import acks, envelope, mllp
+from agent.core.acks import AckCode, Outcome
+from agent.core.envelope import Envelope, MalformedMsh, NoMshSegment
 from agent.errors import HL7Error, StorageError
-from agent.relay import AckRelay
-from agent.store import AuditItem, IntakeItem, IntakeResult
-from agent.writer import Writer
+from agent.runtime.adoption import NOTHING_OWED, Owed, OwedFrame, OwedRelay, OwedReply, OwedWait
+from agent.runtime.aio import unless
+from agent.runtime.relay import AckRelay
+from agent.storage.store import AuditItem, IntakeItem, IntakeResult
+from agent.storage.writer import Writer
 
 if TYPE_CHECKING:
-    from agent.config import ChannelSettings
-    from agent.metrics import AgentMetrics
+    from agent.app.config import ChannelSettings
+    from agent.runtime.metrics import AgentMetrics
 
 log = structlog.get_logger(__name__)
 _connection_ids = count(1)

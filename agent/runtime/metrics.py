@@ -24,7 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from agent import __version__, logs
+from agent import __version__
+from agent.runtime import logs
 
 log = structlog.get_logger(__name__)
 
@@ -97,7 +98,7 @@ class _LogSinkCollector:
     """``hl7_agent_log_lines_dropped_total``, read from the log sink at scrape time.
 
     The sink belongs to the process (one stderr), so the value is the
-    process's; agent.logs stays free of prometheus-client, and a dropped line
+    process's; agent.runtime.logs stays free of prometheus-client, and a dropped line
     costs no metric call on the path that drops it.
     """
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import http.client
 from collections.abc import Callable
 
-from agent.addresses import parse_listen
+from agent.core.addresses import parse_listen
 
 #: Wildcard binds are probed over loopback: "listening on every address"
 #: includes loopback, and the probe runs on the same host.

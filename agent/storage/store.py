@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from agent import states
-from agent.db import WAL_SIZE_LIMIT
+from agent.core import states
 from agent.errors import LeaseLost, StorageError
+from agent.storage.sqlite import WAL_SIZE_LIMIT
 
 #: Free pages a file keeps for its next rows rather than handing them back at
 #: once (4 MiB of 4 KiB pages): steady intake after a retention sweep reuses

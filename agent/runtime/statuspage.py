@@ -1,6 +1,6 @@
 """The admin status page: plain server-rendered HTML, no JavaScript.
 
-Pure: it turns the ``/status.json`` document (built by ``agent.admin``) into a
+Pure: it turns the ``/status.json`` document (built by ``agent.runtime.admin``) into a
 string. Operators open it on a hospital edge host, often through an SSH tunnel,
 so it is one small self-contained page that refreshes itself with
 ``<meta http-equiv="refresh">`` (no script, no external assets).

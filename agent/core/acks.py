@@ -13,8 +13,8 @@ import uuid
 from datetime import datetime
 from enum import Enum, StrEnum
 
-from agent import envelope, mllp
-from agent.envelope import DEFAULT_ENCODING_CHARS, DEFAULT_FIELD_SEP, Envelope
+from agent.core import envelope, mllp
+from agent.core.envelope import DEFAULT_ENCODING_CHARS, DEFAULT_FIELD_SEP, Envelope
 
 __all__ = [
     "DEFAULT_ERROR_CODE",

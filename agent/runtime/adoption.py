@@ -44,10 +44,10 @@ from typing import Any
 
 import structlog
 
-from agent.aio import cancel_and_wait
-from agent.envelope import Envelope
+from agent.core.envelope import Envelope
 from agent.errors import HandoverError
-from agent.sockets import (
+from agent.runtime.aio import cancel_and_wait
+from agent.runtime.sockets import (
     accept_forever,
     bind_unix_atomically,
     path_identity,

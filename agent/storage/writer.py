@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import structlog
 
 from agent.errors import AgentError, DatabaseLocked, StorageError
-from agent.store import SqliteStore
+from agent.storage.store import SqliteStore
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)

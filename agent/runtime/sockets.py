@@ -41,8 +41,8 @@ from typing import Any
 
 import structlog
 
-from agent.aio import cancel_and_wait
 from agent.errors import HandoverError
+from agent.runtime.aio import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 

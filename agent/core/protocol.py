@@ -1,7 +1,7 @@
 """Upstream protocol v1: the JSON frames exchanged with the server (SPEC 5).
 
 Pure: plain dataclasses, ``to_json()`` on each, and strict parsers. The asyncio
-link (``agent.upstream``) and the reference server (``agent.devserver``) only
+link (``agent.runtime.upstream``) and the reference server (``agent.app.devserver``) only
 pump these through a WebSocket, so every rule about what a frame may contain
 lives here and is tested without an event loop.
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, SecretStr
 
-from agent.config.models import _SECTIONS, Settings
-from agent.config.values import _mask_url
+from agent.app.config.models import _SECTIONS, Settings
+from agent.app.config.values import _mask_url
 
 
 def _toml_value(value: Any) -> str:
