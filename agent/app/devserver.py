@@ -45,6 +45,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from agent.core.acks import AckCode, build_ack
+from agent.core.addresses import format_peer
 from agent.core.envelope import read_msh
 from agent.core.protocol import (
     PROTOCOL_VERSION,
@@ -226,7 +227,7 @@ class DevServer:
         given = request.headers.get("Authorization", "")
         if hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
             return None
-        log.warning("dev_server_auth_failed", peer=_peer(connection))
+        log.warning("dev_server_auth_failed", peer=format_peer(connection.remote_address))
         response = connection.respond(HTTPStatus.UNAUTHORIZED, "missing or invalid bearer token\n")
         response.headers["WWW-Authenticate"] = 'Bearer realm="hl7-agent"'
         return response
@@ -240,7 +241,7 @@ class DevServer:
         self.max_concurrent_sessions_seen = max(
             self.max_concurrent_sessions_seen, len(self._active)
         )
-        peer = _peer(ws)
+        peer = format_peer(ws.remote_address)
         mine: set[asyncio.Task[None]] = set()
         try:
             hello = await self._expect_hello(ws, peer)
@@ -447,14 +448,6 @@ class DevServer:
         line = json.dumps(asdict(t), ensure_ascii=False, separators=(",", ":"))
         with self.store_path.open("a", encoding="utf-8") as f:
             f.write(line + "\n")
-
-
-def _peer(connection: ServerConnection) -> str:
-    try:
-        host, port = connection.remote_address[:2]
-    except (TypeError, ValueError):
-        return "unknown"
-    return f"{host}:{port}"
 
 
 def read_dev_token(token_file: str | None) -> str | None:

@@ -55,3 +55,10 @@ def parse_listen(value: str, *, allow_port_zero: bool = False) -> tuple[str, int
 def format_listen(host: str, port: int) -> str:
     """The inverse of :func:`parse_listen` (brackets around IPv6 hosts)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def format_peer(peer: object) -> str:
+    """A socket address (``getpeername()``) as ``host:port`` (``[v6]:port``); anything else as text."""
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return format_listen(str(peer[0]), int(peer[1]))
+    return str(peer or "unknown")

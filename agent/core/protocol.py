@@ -17,7 +17,7 @@ import json
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Literal, TypeAlias
 
 from agent.errors import ProtocolError
@@ -95,7 +95,7 @@ class Transmit:
     message_type: str
     seq: int
     attempt: int
-    received_at: str  # RFC 3339 UTC with "Z", see rfc3339_utc()
+    received_at: str  # RFC 3339 UTC with "Z", see agent.core.timefmt.rfc3339_utc()
     remote: str
     body: str
     encoding: str
@@ -347,9 +347,3 @@ def transmit_size(t: Transmit) -> int:
     return len(t.to_json().encode("utf-8"))
 
 
-def rfc3339_utc(moment: datetime) -> str:
-    """Format ``moment`` as RFC 3339 UTC with a ``Z`` suffix, milliseconds kept (``received_at``)."""
-    if moment.tzinfo is None:
-        raise ValueError("naive datetime: received_at must be an aware UTC instant")
-    text = moment.astimezone(UTC).isoformat(timespec="milliseconds")
-    return text.removesuffix("+00:00") + "Z"

@@ -25,7 +25,6 @@ the page names channels and control ids, which is operator information.
 from __future__ import annotations
 
 import asyncio
-import datetime as _dt
 import errno
 import json
 import socket
@@ -42,6 +41,7 @@ from urllib.parse import urlsplit
 import structlog
 
 from agent.core.addresses import format_listen, parse_listen
+from agent.core.timefmt import rfc3339
 from agent.errors import AdminListenInUse, ConfigError
 from agent.runtime.metrics import AgentMetrics
 from agent.runtime.statuspage import render_status_page
@@ -132,10 +132,6 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:200] if text else type(exc).__name__
 
 
-def _rfc3339(epoch: float) -> str:
-    """UTC, whole seconds: ``2025-06-02T09:14:31Z`` (what operators compare to logs)."""
-    moment = _dt.datetime.fromtimestamp(epoch, tz=_dt.UTC).replace(microsecond=0)
-    return moment.isoformat().replace("+00:00", "Z")
 
 
 def collect_view_data(view: RuntimeView, now: float | None = None) -> dict[str, Any]:
@@ -158,8 +154,8 @@ def collect_view_data(view: RuntimeView, now: float | None = None) -> dict[str, 
     data: dict[str, Any] = {
         "agent_id": view.agent_id,
         "version": view.version,
-        "started_at": _rfc3339(view.started_at),
-        "generated_at": _rfc3339(now),
+        "started_at": rfc3339(view.started_at, millis=False),
+        "generated_at": rfc3339(now, millis=False),
         "uptime_s": max(0.0, round(now - view.started_at, 3)),
         "listeners_up": guarded("listeners", view.listeners_up),
         "upstream": guarded("upstream", view.upstream_state),

@@ -51,9 +51,9 @@ from agent.core.protocol import (
     TransmitResponse,
     classify_status,
     max_frame_bytes,
-    rfc3339_utc,
 )
 from agent.core.retry import attempts_exhausted, backoff, retry_delay
+from agent.core.timefmt import rfc3339_utc
 from agent.errors import HL7Error, LeaseLost, StorageError
 from agent.runtime.aio import cancel_and_wait, unless
 from agent.runtime.relay import AckRelay

@@ -30,6 +30,7 @@ import structlog
 
 from agent.core import acks, envelope, mllp
 from agent.core.acks import AckCode, Outcome
+from agent.core.addresses import format_peer
 from agent.core.envelope import Envelope, MalformedMsh, NoMshSegment
 from agent.errors import HL7Error, StorageError
 from agent.runtime.adoption import NOTHING_OWED, Owed, OwedFrame, OwedRelay, OwedReply, OwedWait
@@ -132,13 +133,6 @@ class _OutcomeRecorder:
     def __call__(self, written: bool) -> None:
         if not self.conn.moved:  # it went to the successor, which records it
             self.conn._set_outcome(self.message_id, "delivered" if written else "undelivered")
-
-
-def format_peer(peer: Any) -> str:
-    if isinstance(peer, tuple) and len(peer) >= 2:
-        host, port = peer[0], peer[1]
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-    return str(peer or "unknown")
 
 
 def source_address(peer: Any) -> str:

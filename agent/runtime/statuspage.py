@@ -27,6 +27,8 @@ import html
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from agent.core.timefmt import human_bytes, human_duration
+
 #: A channel whose oldest queued row is older than this is shown as lagging,
 #: and as stuck past the second threshold (seconds). Display only.
 AGE_WARN_S = 300.0
@@ -74,33 +76,6 @@ def _e(value: Any) -> str:
     return html.escape("" if value is None else str(value), quote=True)
 
 
-def human_duration(seconds: float | None) -> str:
-    """``192`` → ``3m 12s``; the two largest units; ``None`` → ``—``."""
-    if seconds is None:
-        return "—"
-    total = max(0, int(seconds))
-    days, rem = divmod(total, 86400)
-    hours, rem = divmod(rem, 3600)
-    minutes, secs = divmod(rem, 60)
-    if days:
-        return f"{days}d {hours}h"
-    if hours:
-        return f"{hours}h {minutes}m"
-    if minutes:
-        return f"{minutes}m {secs}s"
-    return f"{secs}s"
-
-
-def human_bytes(size: float | None) -> str:
-    """``4096`` → ``4.0 KiB``; ``None`` → ``—``."""
-    if size is None:
-        return "—"
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _when(value: Any) -> str:

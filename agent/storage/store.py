@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from agent.core import states
+from agent.core.timefmt import rfc3339
 from agent.errors import LeaseLost, StorageError
 from agent.storage.sqlite import WAL_SIZE_LIMIT
 
@@ -825,11 +826,6 @@ def _file_size(path: Path) -> int:
         return 0
 
 
-def rfc3339(ts: float) -> str:
-    """RFC 3339 UTC with millisecond precision and a Z."""
-    whole = time.gmtime(ts)
-    millis = round((ts - int(ts)) * 1000) % 1000
-    return time.strftime("%Y-%m-%dT%H:%M:%S", whole) + f".{millis:03d}Z"
 
 
 def _implements_the_interface(store: SqliteStore) -> QueueStore:

@@ -18,9 +18,9 @@ from agent.core.protocol import (
     max_frame_bytes,
     parse_client_frame,
     parse_server_frame,
-    rfc3339_utc,
     transmit_size,
 )
+from agent.core.timefmt import rfc3339_utc
 from agent.errors import ProtocolError
 
 

@@ -37,9 +37,10 @@ from typing import IO, Any
 from agent.app.config import Settings, parse_duration
 from agent.core import states
 from agent.core.mllp import encode_frame
+from agent.core.timefmt import compact_duration, human_bytes, rfc3339
 from agent.errors import DatabaseLocked, IncompatibleDatabase, StorageError, UsageError
 from agent.storage import sqlite as db
-from agent.storage.store import SqliteStore, rfc3339
+from agent.storage.store import SqliteStore
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -194,26 +195,6 @@ def _segments(text: str) -> list[str]:
     return [s for s in text.replace("\r\n", "\r").replace("\n", "\r").split("\r") if s]
 
 
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # unreachable; keeps mypy's return check simple
 
 
 def _table(
@@ -303,13 +284,13 @@ def render_stats(data: dict[str, Any], lease_row: Sequence[Any] | None, now: flo
     out: list[str] = []
     d = data["db"]
     out.append(
-        f"database  {d['path']}  ({_size(d['size_bytes'])}, WAL {_size(d['wal_bytes'])})"
+        f"database  {d['path']}  ({human_bytes(d['size_bytes'])}, WAL {human_bytes(d['wal_bytes'])})"
         f"  agent.id {d.get('agent_id')}  schema {d.get('schema_version')}"
     )
     lease = data["lease"]
     if lease is not None:
         expires = lease_row[6] if lease_row else None
-        left = f" (in {_age(float(expires) - now)})" if expires else ""
+        left = f" (in {compact_duration(float(expires) - now)})" if expires else ""
         out.append(
             f"lease     {lease['holder']}  epoch {lease['epoch']}  expires {lease['expires_at']}{left}"
         )
@@ -349,7 +330,7 @@ def render_stats(data: dict[str, Any], lease_row: Sequence[Any] | None, now: flo
                 c["inflight"],
                 c.get("failed", 0),
                 c.get("rejected", 0),
-                _age(c["oldest_queued_age_s"]),
+                compact_duration(c["oldest_queued_age_s"]),
                 paused,
             ]
         )
