@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import structlog
 
@@ -26,6 +26,7 @@ from agent.errors import AgentError, DatabaseLocked, StorageError
 from agent.storage.store import SqliteStore
 
 T = TypeVar("T")
+P = ParamSpec("P")
 log = structlog.get_logger(__name__)
 
 
@@ -93,6 +94,15 @@ class Writer:
         with self._deferred_lock:
             taken, self._deferred = self._deferred, []
         return taken
+
+    async def call(
+        self, method: Callable[Concatenate[SqliteStore, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """Run one store method in the next committed batch: ``await writer.call(SqliteStore.claim, …)``.
+
+        The form to use in new code: a reader can grep for the store method it runs.
+        """
+        return await self.run(lambda store: method(store, *args, **kwargs))
 
     async def run(self, fn: Callable[[SqliteStore], T]) -> T:
         """Run ``fn(store)`` in the next committed batch and return its result."""
