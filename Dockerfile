@@ -34,7 +34,7 @@ COPY agent ./agent
 RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
  && python -m venv /opt/hl7-agent \
  && /opt/hl7-agent/bin/pip install /wheels/*.whl \
- && /opt/hl7-agent/bin/python -c "import agent.cli"
+ && /opt/hl7-agent/bin/python -c "import agent.app.cli"
 
 # ---------------------------------------------------------------- runtime ----
 FROM ${PYTHON_IMAGE}

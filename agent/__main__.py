@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.cli import main
+from agent.app.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

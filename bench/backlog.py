@@ -41,8 +41,9 @@ def fill_queue(db_path: Path, channels: list[str], rows: int, batch: int = 10_00
     The one place the benches use the agent's inside: if the store's
     interface changes, this function is what to adapt.
     """
-    from agent import acks, db, envelope
-    from agent.store import IntakeItem, SqliteStore
+    from agent.core import acks, envelope
+    from agent.storage import sqlite as db
+    from agent.storage.store import IntakeItem, SqliteStore
 
     started = time.perf_counter()
     conn = db.open_database(db_path, AGENT_ID, db.DatabaseOptions(synchronous="full"), time.time())
@@ -79,8 +80,8 @@ def fill_queue(db_path: Path, channels: list[str], rows: int, batch: int = 10_00
 
 def claim_cost(db_path: Path, channels: list[str], claims: int) -> dict[str, float]:
     """Median µs of each dispatch query on the channel heads, in a transaction rolled back."""
-    from agent import db
-    from agent.store import LeaseHolder, SqliteStore
+    from agent.storage import sqlite as db
+    from agent.storage.store import LeaseHolder, SqliteStore
 
     conn = db.open_database(db_path, AGENT_ID, db.DatabaseOptions(synchronous="full"), time.time())
     store = SqliteStore(conn, db.load_queries(), db_path=db_path)

@@ -59,7 +59,7 @@ class Run:
     def one(self, data: bytes, *, keep_going: bool) -> None:
         from intakefuzz import CORPUS, check_handled, check_streamed, frames_in, mutate
 
-        from agent.mllp import Frame, OversizeFrame
+        from agent.core.mllp import Frame, OversizeFrame
 
         if not data:
             return
@@ -139,12 +139,12 @@ def instrument_for_atheris() -> None:
     import atheris
 
     with atheris.instrument_imports(include=["agent"]):
-        import agent.acks
-        import agent.envelope
-        import agent.listener
-        import agent.mllp
-        import agent.store
-        import agent.writer  # noqa: F401 - instrumented for coverage
+        import agent.core.acks
+        import agent.core.envelope
+        import agent.core.mllp
+        import agent.runtime.mllp_server
+        import agent.storage.store
+        import agent.storage.writer  # noqa: F401 - instrumented for coverage
 
 
 def run_atheris(run: Run, frames: int, seconds: float, seed: int) -> None:

@@ -5,7 +5,7 @@
 #
 #   1. copies the build context the Dockerfile uses (pyproject.toml, README.md,
 #      queue/, agent/) into a temp dir, builds the wheel, installs it into a fresh
-#      venv (the image's /opt/hl7-agent), imports agent.cli
+#      venv (the image's /opt/hl7-agent), imports agent.app.cli
 #   2. as uid/gid 10001 (the image's user, via setpriv; when run as root) with a
 #      clean environment, configuration from env only (no config file, SPEC 3):
 #      `hl7-agent check-config`, then `hl7-agent run` with a temp data dir owned by
@@ -63,7 +63,7 @@ venv=$work/opt/hl7-agent
     "$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$work/wheels" .
     "$PYTHON" -m venv "$venv"
     "$venv/bin/pip" install --quiet "$work"/wheels/*.whl
-    "$venv/bin/python" -c "import agent.cli"
+    "$venv/bin/python" -c "import agent.app.cli"
 ) || fail "the builder stage failed"
 chmod -R a+rX "$work/opt"
 

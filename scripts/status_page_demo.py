@@ -20,9 +20,9 @@ from typing import Any
 import structlog
 
 from agent import __version__
-from agent.admin import AdminServer, RuntimeView
-from agent.health import format_listen
-from agent.metrics import AgentMetrics
+from agent.app.health import format_listen
+from agent.runtime.admin import AdminServer, RuntimeView
+from agent.runtime.metrics import AgentMetrics
 
 
 def _sample_stats() -> dict[str, Any]:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent import mllp
-from agent.devserver import Answer, DevServer
+from agent.app.devserver import Answer, DevServer
+from agent.core import mllp
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -335,8 +335,8 @@ def make_test_pki(directory: Path) -> Path:
 
 def run_with_agent(tmp_path: Path, channel: Any, scenario: Callable[[int], Any]) -> None:
     """Run the daemon in-process on port 0 with one channel, await ``scenario(port)``, stop it."""
-    from agent.config import AdminSettings, AgentSettings, Settings
-    from agent.service import Agent
+    from agent.app.config import AdminSettings, AgentSettings, Settings
+    from agent.app.service import Agent
 
     async def main() -> None:
         settings = Settings(agent=AgentSettings(id="inproc", data_dir=tmp_path / "data"),

@@ -33,13 +33,14 @@ from typing import Any
 from agenttest import SAMPLE_ADT, hl7_message, until
 from structlog.testing import capture_logs
 
-from agent import db, envelope, mllp
-from agent.acks import read_ack_code
-from agent.config import ChannelSettings
-from agent.listener import ChannelListener, Connection, IntakeContext
-from agent.relay import AckRelay
-from agent.store import SqliteStore
-from agent.writer import Writer
+from agent.app.config import ChannelSettings
+from agent.core import envelope, mllp
+from agent.core.acks import read_ack_code
+from agent.runtime.mllp_server import ChannelListener, Connection, IntakeContext
+from agent.runtime.relay import AckRelay
+from agent.storage import sqlite as db
+from agent.storage.store import SqliteStore
+from agent.storage.writer import Writer
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 

@@ -11,7 +11,7 @@ What they run on, and why each piece is real:
   machine has only its own loopback and no internet). The tests reach into
   it with ``nsenter`` for shell commands and with ``setns(CLONE_NEWNET)`` on
   single threads of this process for TCP: the MLLP senders and the
-  ``agent.devserver`` upstream run here, in the machine's network namespace,
+  ``agent.app.devserver`` upstream run here, in the machine's network namespace,
   so everything stays on its 127.0.0.1.
 - **podman** (daemonless, runtime runc, cgroupfs) inside a private mount and
   network namespace of its own, with its storage in the test's tmp dir: the
@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 import pytest
 from agenttest import REPO_ROOT, DevServerThread, ack_code, hl7_message, msa2, wait_for
 
-from agent import mllp
+from agent.core import mllp
 
 T = TypeVar("T")
 
@@ -266,7 +266,7 @@ def in_netns(fd: int, fn: Callable[[], T], timeout: float = 60.0) -> T:
 
 
 def devserver_in(fd: int, *, token: str, host: str = "127.0.0.1", port: int = 8080) -> DevServerThread:
-    """The real ``agent.devserver`` upstream, listening inside a network namespace."""
+    """The real ``agent.app.devserver`` upstream, listening inside a network namespace."""
     dev = DevServerThread(token=token, port=port)
 
     async def start() -> None:

@@ -12,7 +12,7 @@ What is adapted, and why:
   with Debian's pip, venv and ``python`` (python-is-python3). It also carries
   the dependency wheels and an ``/etc/pip.conf`` pointing pip at them, which
   the Dockerfile's ``pip wheel`` and ``pip install`` steps then use offline.
-- The upstream is the test's ``agent.devserver`` in the sandbox's network
+- The upstream is the test's ``agent.app.devserver`` in the sandbox's network
   namespace; the bridge network reaches it as ``host.containers.internal``,
   the host network as 127.0.0.1. Its URL and the token are the edits the doc
   asks the user to make in /etc/hl7-agent.

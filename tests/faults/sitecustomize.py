@@ -24,8 +24,7 @@ _FREEZE_AT = os.environ.get("HL7TEST_FREEZE_BEFORE_TRANSMIT")
 _NO_WRITE_GUARD = os.environ.get("HL7TEST_NO_WRITE_GUARD") == "1"
 
 if _FREEZE_AT:
-    from agent import upstream
-
+    from agent.runtime import upstream
     _original_transmit = upstream.Session.transmit
     _frozen: list[bool] = []
 
@@ -38,8 +37,7 @@ if _FREEZE_AT:
     upstream.Session.transmit = _transmit  # type: ignore[method-assign]
 
 if _NO_WRITE_GUARD:
-    from agent import dispatcher
-
+    from agent.runtime import dispatcher
     def _always(self: Any, tenure: Any) -> Any:
         return lambda: True
 

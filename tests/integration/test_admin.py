@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.addresses import format_listen, parse_listen
-from agent.admin import AdminListenInUse, AdminServer, RuntimeView
+from agent.app.health import check_health, health_exit_code
+from agent.core.addresses import format_listen, parse_listen
 from agent.errors import ConfigError
-from agent.health import check_health, health_exit_code
-from agent.metrics import AgentMetrics
+from agent.runtime.admin import AdminListenInUse, AdminServer, RuntimeView
+from agent.runtime.metrics import AgentMetrics
 
 
 class FakeRuntime:

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from agenttest import http_get, run_async, until, wait_for
 
-from agent.admin import LOOP_STALL_LIMIT, AdminServer, LoopHeartbeat, RuntimeView
-from agent.aio import cancel_and_wait
-from agent.config import AdminSettings, AgentSettings, Settings
-from agent.health import check_health
-from agent.metrics import AgentMetrics
-from agent.service import Agent
+from agent.app.config import AdminSettings, AgentSettings, Settings
+from agent.app.health import check_health
+from agent.app.service import Agent
+from agent.runtime.admin import LOOP_STALL_LIMIT, AdminServer, LoopHeartbeat, RuntimeView
+from agent.runtime.aio import cancel_and_wait
+from agent.runtime.metrics import AgentMetrics
 
 
 class LoopThread:

@@ -16,10 +16,10 @@ from typing import Any
 from agenttest import ack_code, db_rows, hl7_message, log_events, msa2, run_async, until
 from structlog.testing import capture_logs
 
-from agent import mllp
-from agent.config import AdminSettings, AgentSettings, ChannelSettings, QueueSettings, Settings
-from agent.listener import AUDIT_ROWS_PER_WINDOW, MAX_PENDING_RELAYS
-from agent.service import Agent
+from agent.app.config import AdminSettings, AgentSettings, ChannelSettings, QueueSettings, Settings
+from agent.app.service import Agent
+from agent.core import mllp
+from agent.runtime.mllp_server import AUDIT_ROWS_PER_WINDOW, MAX_PENDING_RELAYS
 
 
 def run_agent(tmp_path: Path, scenario: Callable[[Agent, int], Awaitable[None]], **channel: Any) -> None:

@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
-from agent.adoption import (
+from agent.core.envelope import Envelope
+from agent.errors import HandoverError
+from agent.runtime.adoption import (
     ADOPT_SOCKET,
     AdoptionServer,
     Owed,
@@ -22,10 +24,8 @@ from agent.adoption import (
     OwedWait,
     hand_over,
 )
-from agent.aio import cancel_and_wait
-from agent.envelope import Envelope
-from agent.errors import HandoverError
-from agent.sockets import read_line, send_all
+from agent.runtime.aio import cancel_and_wait
+from agent.runtime.sockets import read_line, send_all
 
 
 def run(coro):  # noqa: ANN001, ANN201 - a test runner

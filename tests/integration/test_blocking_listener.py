@@ -29,7 +29,7 @@ from agenttest import (
     wait_for,
 )
 
-from agent import sockets
+from agent.runtime import sockets
 
 pytestmark = pytest.mark.slow
 

@@ -22,9 +22,8 @@ from structlog.testing import capture_logs
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from agent.devserver import DevServer, default_answer, read_dev_token, run_dev_server
-from agent.errors import ConfigError
-from agent.protocol import (
+from agent.app.devserver import DevServer, default_answer, read_dev_token, run_dev_server
+from agent.core.protocol import (
     ErrorMessage,
     Hello,
     Transmit,
@@ -32,6 +31,7 @@ from agent.protocol import (
     Welcome,
     parse_server_frame,
 )
+from agent.errors import ConfigError
 
 T = TypeVar("T")
 TOKEN = "dev-token"
@@ -298,7 +298,7 @@ class TestRunDevServer:
     def test_serves_until_sigterm(self, tmp_path: Path) -> None:
         """run_dev_server serves until SIGTERM, then exits 0."""
         code = (
-            "import sys; from agent.devserver import run_dev_server; "
+            "import sys; from agent.app.devserver import run_dev_server; "
             "sys.exit(run_dev_server('127.0.0.1', 0, 'tok', True, None))"
         )
         proc = subprocess.Popen(

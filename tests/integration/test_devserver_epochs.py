@@ -23,8 +23,8 @@ from structlog.testing import capture_logs
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from agent.devserver import DevServer
-from agent.protocol import (
+from agent.app.devserver import DevServer
+from agent.core.protocol import (
     ErrorMessage,
     Hello,
     Transmit,

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import db
-from agent.store import IntakeItem, SqliteStore
+from agent.storage import sqlite as db
+from agent.storage.store import IntakeItem, SqliteStore
 
 MiB = 1024 * 1024
 

@@ -1,6 +1,6 @@
 """The dispatcher end to end, in process: a real Agent, real MLLP sockets, a real DevServer (SPEC 4-6).
 
-Everything runs on one event loop: ``agent.service.Agent`` with channels on
+Everything runs on one event loop: ``agent.app.service.Agent`` with channels on
 127.0.0.1 port 0, a ``DevServer`` on 127.0.0.1 whose ``decide`` hook scripts
 the server, and an asyncio MLLP client. Waiting is on events or by polling
 the database with a deadline; the only sleeps are scripted server latency.
@@ -20,12 +20,12 @@ import pytest
 from agenttest import run_async as run
 from agenttest import until
 
-from agent import mllp
-from agent.config import Settings
-from agent.devserver import Answer, DevServer, default_answer
-from agent.protocol import Transmit
-from agent.service import Agent
-from agent.store import SqliteStore
+from agent.app.config import Settings
+from agent.app.devserver import Answer, DevServer, default_answer
+from agent.app.service import Agent
+from agent.core import mllp
+from agent.core.protocol import Transmit
+from agent.storage.store import SqliteStore
 from tests.agenttest import ack_code, db_rows, free_port, hl7_message, msa2
 
 T = TypeVar("T")

@@ -22,11 +22,13 @@ from agenttest import log_events as events
 from agenttest import run_async as run
 from structlog.testing import capture_logs
 
-from agent import db, dispatcher, mllp
-from agent.config import Settings
-from agent.devserver import DevServer
-from agent.service import Agent
-from agent.store import SqliteStore
+from agent.app.config import Settings
+from agent.app.devserver import DevServer
+from agent.app.service import Agent
+from agent.core import mllp
+from agent.runtime import dispatcher
+from agent.storage import sqlite as db
+from agent.storage.store import SqliteStore
 
 TOKEN = "test-token"
 TTL = 10.0

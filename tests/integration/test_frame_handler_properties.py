@@ -31,7 +31,7 @@ from intakefuzz import (
     mutate,
 )
 
-from agent import mllp
+from agent.core import mllp
 
 EXAMPLES = int(os.environ.get("HL7_PROPERTY_EXAMPLES", "250"))
 PROPERTY = settings(

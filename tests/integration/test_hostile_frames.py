@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from agent import db, envelope, mllp
-from agent.config import ChannelSettings
-from agent.store import IntakeItem, SqliteStore
+from agent.app.config import ChannelSettings
+from agent.core import envelope, mllp
+from agent.storage import sqlite as db
+from agent.storage.store import IntakeItem, SqliteStore
 from tests.agenttest import (
     ack_code,
     db_rows,

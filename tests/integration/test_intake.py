@@ -1,6 +1,6 @@
 """Durable MLLP intake end to end: real sockets on 127.0.0.1, a real SQLite file (SPEC 4 and 6).
 
-The daemon runs in process (``agent.service.Agent`` on its own event loop
+The daemon runs in process (``agent.app.service.Agent`` on its own event loop
 thread, listening on port 0); senders are blocking MLLP clients on the test
 thread or on worker threads. "No ACK" is proven by order, never by waiting:
 ACKs of one connection are written in arrival order, so when the frame that
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from agent.config import ChannelSettings, QueueSettings, Settings
-from agent.service import Agent
+from agent.app.config import ChannelSettings, QueueSettings, Settings
+from agent.app.service import Agent
 from tests.agenttest import MllpClient, ack_code, db_rows, err3, hl7_message, msa2, wait_for
 
 
@@ -246,7 +246,7 @@ class TestGarbage:
 
     def test_junk_between_frames_is_skipped(self, agent: AgentThread) -> None:
         """Bytes outside frames (before, between, after) are skipped and both framed messages are accepted."""
-        from agent.mllp import encode_frame
+        from agent.core.mllp import encode_frame
 
         stream = (b"hello\r\n" + encode_frame(hl7_message("JUNK-1")) + b"\x00\xffnoise\r"
                   + encode_frame(hl7_message("JUNK-2")) + b"\n")
@@ -260,7 +260,7 @@ class TestGarbage:
 
     def test_frames_split_across_writes_and_coalesced_in_one(self, agent: AgentThread) -> None:
         """A frame split byte by byte and two frames in one write are each answered once, in order."""
-        from agent.mllp import encode_frame
+        from agent.core.mllp import encode_frame
 
         with MllpClient(agent.port) as client:
             for byte in encode_frame(hl7_message("SPLIT-1")):
@@ -378,7 +378,7 @@ class TestSendCommand:
     def test_send_prints_each_ack_and_exits_0_on_aa(self, agent: AgentThread, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
         """``hl7-agent send`` with a file of two LF-ended messages sends both and prints both AAs."""
-        from agent.client import send_files
+        from agent.app.client import send_files
 
         path = tmp_path / "two.hl7"
         path.write_bytes(hl7_message("SEND-1").replace(b"\r", b"\n") + hl7_message("SEND-2").replace(b"\r", b"\n"))
@@ -391,7 +391,7 @@ class TestSendCommand:
     def test_send_exits_1_on_a_reject(self, agent: AgentThread, tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
         """A control id reused with another body gets AE, and ``send`` exits 1."""
-        from agent.client import send_files
+        from agent.app.client import send_files
 
         first, second = tmp_path / "a.hl7", tmp_path / "b.hl7"
         first.write_bytes(hl7_message("SEND-X", pid="1"))
@@ -403,8 +403,8 @@ class TestSendCommand:
     def test_send_mllp_framed_file(self, agent: AgentThread, tmp_path: Path,
                                    capsys: pytest.CaptureFixture[str]) -> None:
         """A file of MLLP frames (as ``queue export`` writes) is sent frame by frame, bytes unchanged."""
-        from agent.client import send_files
-        from agent.mllp import encode_frame
+        from agent.app.client import send_files
+        from agent.core.mllp import encode_frame
 
         lf = hl7_message("FRAMED-1").replace(b"\r", b"\n")
         path = tmp_path / "framed.mllp"
@@ -415,7 +415,7 @@ class TestSendCommand:
 
     def test_send_without_a_listener_exits_1(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         """Nothing listening: one line on stderr and exit 1."""
-        from agent.client import send_files
+        from agent.app.client import send_files
         from tests.agenttest import free_port
 
         path = tmp_path / "one.hl7"

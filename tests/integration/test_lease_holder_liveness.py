@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from agenttest import wait_for
 
-from agent import db
-from agent.store import LeaseHolder, SqliteStore, holder_provably_dead
+from agent.storage import sqlite as db
+from agent.storage.store import LeaseHolder, SqliteStore, holder_provably_dead
 
 TTL = 300.0  # far longer than any test: only provable death can free the lease
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from agenttest import ack_code, db_rows, err3, exchange, hl7_message, make_test_pki, run_with_agent
 
-from agent.config import ChannelSettings
+from agent.app.config import ChannelSettings
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ import pytest
 import structlog
 from agenttest import wait_for
 
-from agent import logs
-from agent.logs import configure_logging, flush_logs, lines_dropped
+from agent.runtime import logs
+from agent.runtime.logs import configure_logging, flush_logs, lines_dropped
 
 CAPACITY = 50
 PIPE_BYTES = 4096

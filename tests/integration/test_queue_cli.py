@@ -2,7 +2,7 @@
 
 The database is built with the daemon's own code (``db.open_database`` +
 ``SqliteStore`` intake and fenced settles under a real lease); the commands
-run through ``agent.cli.main`` and, for exit codes, as real subprocesses.
+run through ``agent.app.cli.main`` and, for exit codes, as real subprocesses.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 
-from agent import db, mllp
-from agent.cli import main
-from agent.queuecmd import Progress
-from agent.store import AuditItem, IntakeItem, LeaseHolder, SqliteStore
+from agent.app.cli import main
+from agent.app.commands.queue import Progress
+from agent.core import mllp
+from agent.storage import sqlite as db
+from agent.storage.store import AuditItem, IntakeItem, LeaseHolder, SqliteStore
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO / "docs" / "queue-stats.schema.json"

@@ -6,8 +6,8 @@ import sqlite3
 import uuid
 from pathlib import Path
 
-from agent import db
-from agent.store import SqliteStore
+from agent.storage import sqlite as db
+from agent.storage.store import SqliteStore
 
 
 def open_store(path: Path) -> tuple[sqlite3.Connection, SqliteStore]:

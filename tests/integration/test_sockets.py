@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from agent.errors import HandoverError
-from agent.sockets import (
+from agent.runtime.sockets import (
     HandoverServer,
     bind_listener,
     inherited_sockets,
@@ -208,7 +208,7 @@ class TestHandover:
             import asyncio, json, os, sys
             from pathlib import Path
             import structlog
-            from agent.sockets import receive_handover
+            from agent.runtime.sockets import receive_handover
 
             structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
@@ -402,7 +402,7 @@ _INHERIT_CHILD = textwrap.dedent(
     """
     import json, os, socket, sys
     import structlog
-    from agent.sockets import inherited_sockets
+    from agent.runtime.sockets import inherited_sockets
 
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-from agent import db
 from agent.errors import LeaseLost
-from agent.store import IntakeItem, LeaseHolder, SqliteStore, holder_provably_dead
+from agent.storage import sqlite as db
+from agent.storage.store import IntakeItem, LeaseHolder, SqliteStore, holder_provably_dead
 
 T = TypeVar("T")
 TTL = 30.0

@@ -21,10 +21,10 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.proxy import get_proxy
 from websockets.uri import parse_uri
 
-from agent.devserver import Answer, DevServer, default_answer
+from agent.app.devserver import Answer, DevServer, default_answer
+from agent.core.protocol import Transmit, TransmitResponse
 from agent.errors import ProtocolError
-from agent.protocol import Transmit, TransmitResponse
-from agent.upstream import (
+from agent.runtime.upstream import (
     LinkSettings,
     SessionClosed,
     TransmitInProgress,

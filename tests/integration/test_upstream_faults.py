@@ -30,11 +30,11 @@ from structlog.testing import capture_logs
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from agent import mllp
-from agent.config import Settings
-from agent.devserver import DevServer, default_answer
-from agent.protocol import Transmit, TransmitResponse, Welcome, parse_client_frame
-from agent.service import Agent
+from agent.app.config import Settings
+from agent.app.devserver import DevServer, default_answer
+from agent.app.service import Agent
+from agent.core import mllp
+from agent.core.protocol import Transmit, TransmitResponse, Welcome, parse_client_frame
 
 TOKEN = "fault-token"
 

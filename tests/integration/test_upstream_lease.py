@@ -13,9 +13,15 @@ from agenttest import run_async as run
 from agenttest import until
 from structlog.testing import capture_logs
 
-from agent.devserver import DevServer
-from agent.protocol import Transmit
-from agent.upstream import EPOCH_REFUSED, LeaseExpired, LinkSettings, SessionClosed, UpstreamLink
+from agent.app.devserver import DevServer
+from agent.core.protocol import Transmit
+from agent.runtime.upstream import (
+    EPOCH_REFUSED,
+    LeaseExpired,
+    LinkSettings,
+    SessionClosed,
+    UpstreamLink,
+)
 
 TOKEN = "s3cret-token"
 QUEUE_ID = "3b0d8c2a-9f1e-4d7c-a5b6-0e1f2a3b4c5d"

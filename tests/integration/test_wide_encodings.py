@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from agenttest import ack_code, db_rows, err3, exchange, hl7_message, msa2, run_with_agent
 
-from agent.config import ChannelSettings
-from agent.envelope import read_wide_msh, sniff_wide_encoding
+from agent.app.config import ChannelSettings
+from agent.core.envelope import read_wide_msh, sniff_wide_encoding
 
 
 class TestSniff:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from agenttest import REPO_ROOT
 
-from agent import mllp
+from agent.core import mllp
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from agenttest import free_port, toml_config
 
-from agent import db
-from agent.store import LeaseHolder, SqliteStore
+from agent.storage import sqlite as db
+from agent.storage.store import LeaseHolder, SqliteStore
 
 pytestmark = pytest.mark.slow
 

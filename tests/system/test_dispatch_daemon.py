@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from agent.devserver import Answer, default_answer
-from agent.protocol import Transmit
+from agent.app.devserver import Answer, default_answer
+from agent.core.protocol import Transmit
 from tests.agenttest import (
     Daemon,
     DevServerThread,

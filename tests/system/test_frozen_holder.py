@@ -36,7 +36,7 @@ from agenttest import (
     wait_for,
 )
 
-from agent.devserver import Arrival
+from agent.app.devserver import Arrival
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from agent import db
-from agent.store import IntakeItem, SqliteStore
+from agent.storage import sqlite as db
+from agent.storage.store import IntakeItem, SqliteStore
 from tests.agenttest import (
     Daemon,
     DevServerThread,

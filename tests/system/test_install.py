@@ -30,7 +30,7 @@ from tests.agenttest import REPO_ROOT, free_port, http_get, wait_for
 pytestmark = pytest.mark.slow
 
 QUEUE_CHECK = (
-    "import queue, asyncio; assert hasattr(queue, 'SimpleQueue'), queue.__file__; import agent.cli"
+    "import queue, asyncio; assert hasattr(queue, 'SimpleQueue'), queue.__file__; import agent.app.cli"
 )
 #: Never copied into the install source: build output, caches, local data.
 COPY_IGNORE = shutil.ignore_patterns(

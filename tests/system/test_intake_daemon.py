@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import mllp
+from agent.core import mllp
 from tests.agenttest import (
     Daemon,
     MllpClient,

@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
-from agent.devserver import Answer, default_answer
-from agent.protocol import Transmit
+from agent.app.devserver import Answer, default_answer
+from agent.core.protocol import Transmit
 from tests.agenttest import (
     ACCEPT_CODES,
     Daemon,

@@ -41,10 +41,10 @@ pytestmark = pytest.mark.slow
 ACK_BOUND = 5.0
 QUEUE_LINES = 200
 PIPE_BYTES = 4096
-#: agent.logs.EXIT_FLUSH_SECONDS, spelled out so this file also runs against older code.
+#: agent.runtime.logs.EXIT_FLUSH_SECONDS, spelled out so this file also runs against older code.
 EXIT_FLUSH_SECONDS = 2.0
-ENTRY = (f"import agent.logs, sys; agent.logs.QUEUE_LINES = {QUEUE_LINES}; "
-         "from agent.cli import main; sys.exit(main())")
+ENTRY = (f"import agent.runtime.logs, sys; agent.runtime.logs.QUEUE_LINES = {QUEUE_LINES}; "
+         "from agent.app.cli import main; sys.exit(main())")
 
 
 def status_of(url: str) -> int:

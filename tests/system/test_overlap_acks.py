@@ -34,7 +34,7 @@ from agenttest import (
     wait_for,
 )
 
-from agent.devserver import default_answer
+from agent.app.devserver import default_answer
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from agenttest import Daemon, ack_code, db_rows, free_port, hl7_message, msa2, toml_config, wait_for
 
-from agent import mllp
+from agent.core import mllp
 
 pytestmark = pytest.mark.slow
 

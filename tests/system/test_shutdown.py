@@ -19,7 +19,7 @@ from agenttest import (
     wait_for,
 )
 
-from agent import mllp
+from agent.core import mllp
 
 pytestmark = pytest.mark.slow
 

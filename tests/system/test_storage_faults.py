@@ -38,7 +38,7 @@ from agenttest import (
     wait_for,
 )
 
-from agent import mllp
+from agent.core import mllp
 
 pytestmark = pytest.mark.slow
 

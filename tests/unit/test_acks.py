@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from intakefuzz import CHARSET_VALUES, CORPUS, mutate
 
-from agent.acks import (
+from agent.core.acks import (
     TABLE_0357,
     AckCode,
     Outcome,
@@ -24,7 +24,7 @@ from agent.acks import (
     read_ack_code,
     relayed_ack,
 )
-from agent.envelope import TEXT_CODECS, Envelope, MalformedMsh, read_msh, scrape_control_id
+from agent.core.envelope import TEXT_CODECS, Envelope, MalformedMsh, read_msh, scrape_control_id
 from agent.errors import EnvelopeError
 
 Sample = Callable[[str], bytes]

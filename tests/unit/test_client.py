@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent import mllp
-from agent.client import decode_ack, split_messages
+from agent.app.client import decode_ack, split_messages
+from agent.core import mllp
 
 
 class TestSplitMessages:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from agent import config as config_module
-from agent.config import (
+from agent.app import config as config_module
+from agent.app.config import (
     ChannelSettings,
     Settings,
     load_settings,

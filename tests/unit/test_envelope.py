@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from intakefuzz import CHARSET_VALUES, CORPUS, mutate
 
-from agent import envelope
-from agent.envelope import (
+from agent.core import envelope
+from agent.core.envelope import (
     Envelope,
     MalformedMsh,
     NoMshSegment,

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from agent.dispatcher import LEASE_WRITE_FRACTION, LeaseValidity, lease_clock
+from agent.runtime.dispatcher import LEASE_WRITE_FRACTION, LeaseValidity, lease_clock
 
 
 class Clock:

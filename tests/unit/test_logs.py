@@ -15,8 +15,8 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from agent import logs
-from agent.logs import bind, configure_logging, stderr_is_journal
+from agent.runtime import logs
+from agent.runtime.logs import bind, configure_logging, stderr_is_journal
 
 
 @pytest.fixture(autouse=True)

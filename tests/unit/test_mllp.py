@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.mllp import (
+from agent.core.mllp import (
     END_BLOCK,
     OVERSIZE_PREFIX_BYTES,
     START_BLOCK,

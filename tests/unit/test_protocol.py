@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from agent.errors import ProtocolError
-from agent.protocol import (
+from agent.core.protocol import (
     ErrorMessage,
     Hello,
     Transmit,
@@ -19,9 +18,10 @@ from agent.protocol import (
     max_frame_bytes,
     parse_client_frame,
     parse_server_frame,
-    rfc3339_utc,
     transmit_size,
 )
+from agent.core.timefmt import rfc3339_utc
+from agent.errors import ProtocolError
 
 
 def make_transmit(**overrides: Any) -> Transmit:

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from agent.core.protocol import Hello, parse_client_frame
 from agent.errors import ProtocolError
-from agent.protocol import Hello, parse_client_frame
 
 QUEUE_ID = "6f1c2d3e-4b5a-4c6d-8e7f-9a0b1c2d3e4f"
 

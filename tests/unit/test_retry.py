@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from agent.retry import attempts_exhausted, backoff, retry_delay
+from agent.core.retry import attempts_exhausted, backoff, retry_delay
 
 
 class TestBackoff:

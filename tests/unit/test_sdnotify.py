@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from agent.sdnotify import Notifier, watchdog_pinger
+from agent.runtime.sdnotify import Notifier, watchdog_pinger
 
 
 @pytest.fixture

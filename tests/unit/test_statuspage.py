@@ -5,7 +5,8 @@ from __future__ import annotations
 from html.parser import HTMLParser
 from typing import Any
 
-from agent.statuspage import human_bytes, human_duration, render_status_page
+from agent.core.timefmt import human_bytes, human_duration
+from agent.runtime.statuspage import render_status_page
 
 
 def _stats(**channels: dict[str, Any]) -> dict[str, Any]:

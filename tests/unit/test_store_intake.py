@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from agent import db
 from agent.errors import IncompatibleDatabase
-from agent.store import AuditItem, IntakeItem, IntakeResult, SqliteStore
-from agent.writer import Writer
+from agent.storage import sqlite as db
+from agent.storage.store import AuditItem, IntakeItem, IntakeResult, SqliteStore
+from agent.storage.writer import Writer
 
 DAY = 86400.0
 T0 = 1_800_000_000.0
@@ -346,8 +346,8 @@ class TestWriterThread:
     def test_a_failing_log_stream_never_strands_a_caller(self, tmp_path: Path, clock: Clock,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
         """When the commit fails and logging it raises too (EPIPE), the caller still gets a StorageError and the thread goes on."""
-        from agent import writer as writer_module
         from agent.errors import StorageError
+        from agent.storage import writer as writer_module
 
         class BrokenLog:
             def error(self, *args: Any, **kwargs: Any) -> None:

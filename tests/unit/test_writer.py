@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from agenttest import wait_for
 
-from agent import db
-from agent.store import SqliteStore
-from agent.writer import Writer
+from agent.storage import sqlite as db
+from agent.storage.store import SqliteStore
+from agent.storage.writer import Writer
 
 
 @pytest.fixture

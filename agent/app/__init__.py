@@ -1,0 +1,1 @@
+"""Composition and the user's surface: the service, configuration, commands."""

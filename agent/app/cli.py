@@ -1,0 +1,257 @@
+"""The ``hl7-agent`` command line (SPEC section 2).
+
+Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error. Errors
+are one line on stderr; ``--debug`` adds the traceback. Global flags
+(``--config``, ``--debug``) work before or after the subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from agent import __version__
+from agent.errors import AgentError, ConfigError
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on usage errors already; keep its one-line style."""
+
+    def error(self, message: str) -> Any:  # noqa: ANN401 - argparse's signature
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _port(text: str) -> int:
+    """A TCP port for --port: 1-65535 (a usage error, exit 2, otherwise)."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1-65535)")
+    return int(text)
+
+
+def _global_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    # SUPPRESS on subparsers so a flag given before the subcommand is not reset.
+    default: Any = None if top else argparse.SUPPRESS
+    parser.add_argument("--config", metavar="PATH", default=default,
+                        help="configuration file (else $HL7_AGENT_CONFIG, else /etc/hl7-agent/agent.toml)")
+    parser.add_argument("--debug", action="store_true", default=False if top else argparse.SUPPRESS,
+                        help="show tracebacks and debug logs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hl7-agent", description="Durable HL7 v2 MLLP edge agent.")
+    parser.add_argument("--version", action="version", version=f"hl7-agent {__version__}")
+    _global_flags(parser, top=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    def command(name: str, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        _global_flags(p, top=False)
+        return p
+
+    command("run", "run the daemon in the foreground until SIGTERM/SIGINT")
+    command("check-config", "validate and print the effective configuration (secrets masked)")
+    command("health", "exit 0 when the daemon's admin endpoint answers /healthz, else 1")
+
+    send = command("send", "send HL7 files over MLLP and print each ACK")
+    send.add_argument("--host", default="127.0.0.1")
+    send.add_argument("--port", type=_port, required=True)
+    send.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each ACK")
+    send.add_argument("files", nargs="+", metavar="FILE")
+
+    dev = command("dev-server", "run the reference upstream server (protocol v1)")
+    dev.add_argument("--host", default="127.0.0.1")
+    dev.add_argument("--port", type=_port, default=8080)
+    dev.add_argument("--token-file", default=None, help="file holding the expected bearer token "
+                     "(else $HL7_AGENT_DEV_TOKEN)")
+    dev.add_argument("--no-replay", action="store_true", help="announce replay: false")
+    dev.add_argument("--store", default=None, metavar="FILE", help="append every transmit as a JSON line")
+
+    queue = command("queue", "inspect and operate the message queue")
+    qsub = queue.add_subparsers(dest="queue_command", metavar="SUBCOMMAND", parser_class=_Parser)
+    qsub.required = True
+
+    def qcommand(name: str, help_: str) -> argparse.ArgumentParser:
+        p = qsub.add_parser(name, help=help_, description=help_)
+        _global_flags(p, top=False)
+        return p
+
+    stats = qcommand("stats", "counts by state, per-channel depth, lease holder")
+    stats.add_argument("--json", action="store_true")
+
+    lst = qcommand("list", "rows, newest first (no bodies unless --show-body)")
+    lst.add_argument("--state")
+    lst.add_argument("--channel")
+    lst.add_argument("--since", metavar="DURATION|TIME")
+    lst.add_argument("--control-id")
+    lst.add_argument("--limit", type=int, default=50)
+    lst.add_argument("--show-body", action="store_true")
+    lst.add_argument("--json", action="store_true")
+
+    show = qcommand("show", "one row with its history fields")
+    show.add_argument("id")
+    show.add_argument("--raw", action="store_true", help="print the stored message bytes exactly")
+    show.add_argument("--json", action="store_true")
+
+    retry = qcommand("retry", "put failed/rejected rows back to queued (keeps each id)")
+    retry.add_argument("ids", nargs="*", metavar="ID")
+    retry.add_argument("--state", choices=["failed", "rejected"])
+    retry.add_argument("--channel")
+    retry.add_argument("--dry-run", action="store_true")
+
+    purge = qcommand("purge", "delete terminal rows older than a duration")
+    purge.add_argument("--state", required=True)
+    purge.add_argument("--older-than", required=True, metavar="DURATION")
+    purge.add_argument("--channel")
+    purge.add_argument("--dry-run", action="store_true")
+
+    export = qcommand("export", "write selected messages MLLP-framed for replay elsewhere")
+    export.add_argument("--state", required=True)
+    export.add_argument("--channel")
+    export.add_argument("--format", choices=["mllp", "lines"], default="mllp")
+    export.add_argument("out", metavar="OUT")
+
+    channel = command("channel", "pause or resume dispatch of a channel (durable)")
+    csub = channel.add_subparsers(dest="channel_command", metavar="SUBCOMMAND", parser_class=_Parser)
+    csub.required = True
+    for name, help_ in (("pause", "hold dispatch (intake goes on) until resumed"),
+                        ("resume", "resume dispatch")):
+        p = csub.add_parser(name, help=help_, description=help_)
+        _global_flags(p, top=False)
+        p.add_argument("name", metavar="NAME")
+    return parser
+
+
+# -- commands ----------------------------------------------------------------
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from agent.app.config import load_settings
+
+    return load_settings(args.config)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.app.service import run_agent
+    from agent.runtime.logs import configure_logging, flush_logs
+
+    settings = _settings(args)
+    level = "debug" if args.debug else settings.logging.level
+    configure_logging(level, settings.logging.format)
+    try:
+        if not settings.channels:
+            import structlog
+
+            structlog.get_logger("agent").warning(
+                "no_channels_configured", hint="add [[channels]] tables or HL7_AGENT_CHANNELS"
+            )
+        return asyncio.run(run_agent(settings))
+    finally:
+        # Log lines are written by a thread: let them out (bounded) before
+        # main() prints the error line, so the reader sees them in order.
+        flush_logs()
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    from agent.app.config import render_effective
+
+    text = render_effective(_settings(args))
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return EXIT_OK
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    # SPEC 2: exit 0 or 1 only, even on configuration errors (Docker reserves 2).
+    try:
+        from agent.app.health import check_health
+
+        settings = _settings(args)
+        if not settings.admin.listen:
+            print("hl7-agent: [admin] listen is disabled; nothing to check", file=sys.stderr)
+            return EXIT_FAILURE
+        ok = check_health(settings.admin.listen)
+    except Exception as exc:  # noqa: BLE001 - health never exits 2
+        print(f"hl7-agent: health: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    if not ok:
+        print(f"hl7-agent: no healthy daemon at {settings.admin.listen}", file=sys.stderr)
+    return EXIT_OK if ok else EXIT_FAILURE
+
+
+def cmd_send(args: argparse.Namespace) -> int:
+    from agent.app.client import send_files
+
+    return send_files(args.host, args.port, args.files, timeout=args.timeout)
+
+
+def cmd_dev_server(args: argparse.Namespace) -> int:
+    from agent.app.devserver import read_dev_token, run_dev_server
+    from agent.runtime.logs import configure_logging, flush_logs
+
+    configure_logging("debug" if args.debug else "info", "console" if sys.stderr.isatty() else "json")
+    try:
+        token = read_dev_token(args.token_file)
+        return run_dev_server(args.host, args.port, token, not args.no_replay, args.store)
+    finally:
+        flush_logs()
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    from agent.app.commands import queue as queuecmd
+    handler: Callable[[Any, argparse.Namespace], int] = getattr(queuecmd, f"cmd_{args.queue_command}")
+    return handler(_settings(args), args)
+
+
+def cmd_channel(args: argparse.Namespace) -> int:
+    from agent.app.commands import queue as queuecmd
+    return queuecmd.cmd_channel(_settings(args), args)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": cmd_run,
+    "check-config": cmd_check_config,
+    "health": cmd_health,
+    "send": cmd_send,
+    "dev-server": cmd_dev_server,
+    "queue": cmd_queue,
+    "channel": cmd_channel,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(words)
+    except SystemExit as exc:
+        # SPEC 2: `health` exits 0 or 1 only (Docker reserves 2), even for a bad flag.
+        if exc.code == EXIT_USAGE and "health" in words:
+            return EXIT_FAILURE
+        raise
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except ConfigError as exc:
+        if args.debug:
+            traceback.print_exc()
+        message = str(exc)
+        print(message if message.startswith("config error") else f"hl7-agent: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except AgentError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"hl7-agent: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"hl7-agent: {exc}", file=sys.stderr)
+        return EXIT_FAILURE

@@ -1,0 +1,125 @@
+"""``hl7-agent send``: a small MLLP client for operators and tests (SPEC 2).
+
+Blocking sockets on purpose: it sends one message, waits for its ACK, and
+moves on, exactly as the lab machines it stands in for.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+from agent.core import mllp
+from agent.core.acks import read_ack_code
+from agent.core.envelope import read_msh, resolve_codec
+from agent.errors import HL7Error
+
+_LINE_ENDINGS = re.compile(rb"\r\n|\n")
+_UTF8_BOM = b"\xef\xbb\xbf"
+_MSH_START = re.compile(rb"(?:^|\r)(?=MSH)")
+
+
+def split_messages(data: bytes) -> list[bytes]:
+    """Messages in a file: MLLP-framed, or plain text split at lines starting ``MSH``.
+
+    Plain text gets ``\\n``/``\\r\\n`` turned into ``\\r`` (SPEC 2).
+    """
+    data = data.removeprefix(_UTF8_BOM)  # files saved by Windows editors
+    if mllp.START_BLOCK in data:
+        decoder = mllp.MllpDecoder(max(len(data), 1))
+        events = decoder.feed(data)
+        skipped = sum(e.count for e in events if isinstance(e, mllp.JunkSkipped)) + decoder.buffered_bytes()
+        if skipped:
+            print(f"hl7-agent: send: {skipped} bytes outside complete MLLP frames were not sent "
+                  "(each frame must end with 0x1C 0x0D)", file=sys.stderr)
+        return [e.payload for e in events if isinstance(e, mllp.Frame)]
+    text = _LINE_ENDINGS.sub(b"\r", data)
+    messages = []
+    for chunk in _MSH_START.split(text):
+        chunk = chunk.strip(b"\r")
+        if chunk.startswith(b"MSH"):
+            messages.append(chunk + b"\r")
+    return messages
+
+
+def decode_ack(ack: bytes) -> str:
+    """An ACK's text in the character set its MSH-18 names (UTF-8 when none, Latin-1 as a last resort)."""
+    try:
+        codec = resolve_codec(read_msh(ack).charset, "utf-8")
+        return ack.decode(codec)
+    except (HL7Error, UnicodeDecodeError, LookupError):
+        try:
+            return ack.decode("utf-8")
+        except UnicodeDecodeError:
+            return ack.decode("latin-1")
+
+
+class AckTimeout(Exception):
+    pass
+
+
+def read_ack(sock: socket.socket, decoder: mllp.MllpDecoder, timeout: float) -> bytes:
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AckTimeout
+        sock.settimeout(remaining)
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            raise AckTimeout from None
+        if not data:
+            raise ConnectionError("connection closed before the ACK arrived")
+        for event in decoder.feed(data):
+            if isinstance(event, mllp.Frame):
+                return event.payload
+
+
+def send_files(host: str, port: int, files: list[str], *, timeout: float = 30.0) -> int:
+    """Send every message of every file; print each ACK; 1 if any ACK is missing or not AA/CA."""
+    messages: list[tuple[str, bytes]] = []
+    for name in files:
+        try:
+            data = Path(name).read_bytes()
+        except OSError as exc:
+            print(f"hl7-agent: send: cannot read {name}: {exc.strerror}", file=sys.stderr)
+            return 1
+        found = split_messages(data)
+        if not found:
+            print(f"hl7-agent: send: no HL7 message (no line starting MSH) in {name}", file=sys.stderr)
+            return 1
+        messages.extend((name, m) for m in found)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        print(f"hl7-agent: send: cannot connect to {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    failures = 0
+    decoder = mllp.MllpDecoder(64 * 1024 * 1024)
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for index, (name, message) in enumerate(messages, 1):
+            try:
+                sock.sendall(mllp.encode_frame(message))
+                ack = read_ack(sock, decoder, timeout)
+            except AckTimeout:
+                print(f"# {name} message {index}: no ACK within {timeout:g}s", file=sys.stderr)
+                failures += 1
+                break
+            except OSError as exc:
+                print(f"# {name} message {index}: {exc}", file=sys.stderr)
+                failures += 1
+                break
+            text = decode_ack(ack)
+            for segment in re.split(r"\r\n|\r|\n", text):
+                if segment:
+                    print(segment)
+            code = read_ack_code(ack)
+            if code not in ("AA", "CA"):
+                failures += 1
+            print()
+    return 1 if failures else 0

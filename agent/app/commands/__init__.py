@@ -1,0 +1,1 @@
+"""Operator commands (`hl7-agent queue ...`, `hl7-agent channel ...`)."""

@@ -1,0 +1,442 @@
+"""The configuration models: one pydantic model per section, channels, and the whole.
+
+Over 400 lines on purpose: it is the configuration reference in code, one class
+per section, read side by side with docs/configuration.md.
+
+Validation context (set by :func:`agent.app.config.load_settings` only):
+
+- ``base_dir``: relative paths are made absolute against it (the config file's
+  folder, or the working directory when there is no file);
+- ``strict_ports``: ``listen`` ports must be 1-65535. Models built directly in
+  code (tests) may use port 0, "any free port", which a config file may not:
+  senders could never find it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from pathlib import Path
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from agent.app.config.values import (
+    ByteSize,
+    Duration,
+    KiB,
+    MiB,
+    OptionalPath,
+    PositiveDuration,
+    _check_encoding,
+    _empty_is_none,
+    _human,
+    _lower,
+    _mask_url,
+)
+from agent.core.addresses import parse_listen
+from agent.errors import ConfigError
+
+
+def _absolute(path: Path | None, info: ValidationInfo) -> Path | None:
+    """Relative paths are relative to the config file's folder (SPEC 3)."""
+    if path is None or path.is_absolute():
+        return path
+    base = (info.context or {}).get("base_dir")
+    return Path(base) / path if base is not None else path
+
+
+def _default_agent_id() -> str:
+    """The host name, trimmed to the id alphabet, so a fresh install has a stable id."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64]
+    return name or "hl7-agent"
+
+
+class _Section(BaseModel):
+    """Every section refuses unknown keys (SPEC 3: a typo must not be ignored)."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=False)
+
+
+class LoggingSettings(_Section):
+    level: Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(_lower)] = "info"
+    format: Annotated[Literal["json", "console"], BeforeValidator(_lower)] = "json"
+
+
+class AgentSettings(_Section):
+    # Stable identity sent to the server and recorded in the queue database.
+    id: str = Field(default_factory=_default_agent_id)
+    data_dir: Path = Path("/var/lib/hl7-agent")
+    # SO_REUSEPORT is the fallback listener-sharing mode (SPEC 7).
+    reuse_port: bool = False
+    # Graceful stop budget; keep it below systemd's TimeoutStopSec.
+    shutdown_budget: PositiveDuration = 20.0
+
+    @field_validator("id", mode="before")
+    @classmethod
+    def _id_alphabet(cls, value: object) -> object:
+        if isinstance(value, str) and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", value.strip()):
+            raise ValueError(f"{value!r} must be 1-64 characters of [A-Za-z0-9._-]")
+        return value
+
+    @field_validator("data_dir", mode="after")
+    @classmethod
+    def _resolve_data_dir(cls, value: Path, info: ValidationInfo) -> Path:
+        return _absolute(value, info) or value
+
+
+class ServerSettings(_Section):
+    # None = intake only: messages queue up until an upstream is configured.
+    url: Annotated[str | None, BeforeValidator(_empty_is_none)] = None
+    token: Annotated[SecretStr | None, BeforeValidator(_empty_is_none)] = None
+    token_file: OptionalPath = None
+    ca_file: OptionalPath = None
+    client_cert: OptionalPath = None
+    client_key: OptionalPath = None
+    connect_timeout: PositiveDuration = 10.0
+    response_timeout: PositiveDuration = 30.0
+    application_ack_timeout: PositiveDuration = 30.0
+    proxy: str = "none"
+    ping_interval: PositiveDuration = 20.0
+
+    @field_validator("url")
+    @classmethod
+    def _ws_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value.strip())
+        if parts.scheme.lower() not in ("ws", "wss") or not parts.hostname:
+            raise ValueError(
+                f"{_mask_url(value)!r} must be a ws:// or wss:// URL with a host, "
+                "e.g. wss://hl7.example.org/agent"
+            )
+        return value.strip()
+
+    @field_validator("proxy")
+    @classmethod
+    def _proxy(cls, value: str) -> str:
+        if value.strip().lower() == "none":
+            return "none"
+        parts = urlsplit(value.strip())
+        if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f'{_mask_url(value)!r} must be "none" or an http:// or https:// proxy URL'
+            )
+        return value.strip()
+
+    @field_validator("token_file", "ca_file", "client_cert", "client_key", mode="after")
+    @classmethod
+    def _resolve_paths(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        return _absolute(value, info)
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> ServerSettings:
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("token and token_file are both set; keep only one")
+        if self.client_key is not None and self.client_cert is None:
+            raise ValueError("client_key is set without client_cert; set both")
+        return self
+
+    def token_value(self) -> str | None:
+        """The bearer token, read from ``token_file`` on every call so rotation needs no restart."""
+        if self.token_file is not None:
+            try:
+                text = self.token_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                raise ConfigError(
+                    f"config error: server.token_file: cannot read {self.token_file}: {reason}"
+                ) from None
+            token = text.rstrip("\r\n")
+            if not token.strip():
+                raise ConfigError(f"config error: server.token_file: {self.token_file} is empty")
+            return token
+        if self.token is not None:
+            return self.token.get_secret_value()
+        return None
+
+
+class AdminSettings(_Section):
+    # /healthz /readyz /metrics; None or "" disables the admin endpoint.
+    listen: Annotated[str | None, BeforeValidator(_empty_is_none)] = "127.0.0.1:9575"
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            strict = bool((info.context or {}).get("strict_ports"))
+            parse_listen(value, allow_port_zero=not strict)
+            return value.strip()
+        return value
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """``(host, port)`` to bind, or None when disabled."""
+        return parse_listen(self.listen, allow_port_zero=True) if self.listen else None
+
+
+class QueueSettings(_Section):
+    synchronous: Annotated[Literal["full", "normal"], BeforeValidator(_lower)] = "full"
+    dedupe_window: Duration = 7 * 86400.0
+    retention: Duration = 30 * 86400.0
+    max_db_bytes: ByteSize = 0  # 0 = no cap
+    min_free_disk_bytes: ByteSize = 256 * MiB
+    busy_timeout: PositiveDuration = 5.0
+    checkpoint_interval: PositiveDuration = 60.0
+    retention_interval: PositiveDuration = 300.0
+
+    @model_validator(mode="after")
+    def _retention_covers_dedupe(self) -> QueueSettings:
+        # SPEC 6: purging a row must never forget a dedupe key before its window.
+        if self.retention < self.dedupe_window:
+            raise ValueError(
+                f"retention ({_human(self.retention)}) must be >= dedupe_window "
+                f"({_human(self.dedupe_window)})"
+            )
+        return self
+
+
+class DispatchSettings(_Section):
+    lease_ttl: PositiveDuration = 30.0
+    lease_heartbeat: PositiveDuration = 10.0
+    lease_acquire_interval: PositiveDuration = 2.0
+    retry_initial: PositiveDuration = 1.0
+    retry_cap: PositiveDuration = 60.0
+
+    @model_validator(mode="after")
+    def _ordering(self) -> DispatchSettings:
+        # A heartbeat at or above the TTL lets the lease lapse between renewals.
+        if self.lease_heartbeat >= self.lease_ttl:
+            raise ValueError(
+                f"lease_heartbeat ({_human(self.lease_heartbeat)}) must be below lease_ttl "
+                f"({_human(self.lease_ttl)})"
+            )
+        if self.retry_initial > self.retry_cap:
+            raise ValueError(
+                f"retry_initial ({_human(self.retry_initial)}) must be <= retry_cap "
+                f"({_human(self.retry_cap)})"
+            )
+        return self
+
+
+class ChannelSettings(_Section):
+    name: str
+    listen: str
+    ack: Annotated[Literal["commit", "application"], BeforeValidator(_lower)] = "commit"
+    guaranteed_delivery: bool = False
+    max_message_bytes: Annotated[ByteSize, Field(ge=KiB, le=64 * MiB)] = 1048576
+    encoding: str = "utf-8"
+    assign_sequence_numbers: bool = False
+    on_reject: Annotated[Literal["continue", "pause"], BeforeValidator(_lower)] = "continue"
+    max_attempts: int = Field(default=0, ge=0)  # 0 = retry forever
+    tls_cert: OptionalPath = None
+    tls_key: OptionalPath = None
+    tls_client_ca: OptionalPath = None
+    allowed_sources: list[str] = Field(default_factory=list)
+    max_connections: int = Field(default=64, ge=1)
+    idle_timeout: Duration = 0.0  # 0 = never close an idle connection
+    # One sender address holds at most this many of the channel's connections
+    # (16: a quarter of the default channel, far above the 1-4 an interface
+    # engine opens), so one host's busy connections cannot fill a channel.
+    max_connections_per_source: int = Field(default=16, ge=1)
+    # A started frame must complete within this (slowloris). 60 s carries a
+    # 1 MiB message over a ~150 kbit/s link; never 0: the guard cannot be off.
+    frame_timeout: PositiveDuration = 60.0
+    # What the channel accepts (SPEC 4: AR/CR with ERR-3 200-203 otherwise);
+    # empty = anything. "ADT" allows every ADT event, "ADT^A01" only that one.
+    accept_message_types: list[str] = Field(default_factory=list)
+    accept_processing_ids: list[str] = Field(default_factory=list)
+    accept_versions: list[str] = Field(default_factory=list)  # "2.5" also admits "2.5.1"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not re.fullmatch(r"[a-z0-9_-]+", value):
+            raise ValueError(f"{value!r} must match [a-z0-9_-]+")
+        return value
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str, info: ValidationInfo) -> str:
+        strict = bool((info.context or {}).get("strict_ports"))
+        parse_listen(value, allow_port_zero=not strict)
+        return value.strip()
+
+    @field_validator("encoding")
+    @classmethod
+    def _encoding(cls, value: str) -> str:
+        _check_encoding(value)
+        return value
+
+    @field_validator("accept_message_types")
+    @classmethod
+    def _message_types(cls, value: list[str]) -> list[str]:
+        cleaned = [item.strip().upper() for item in value]
+        for item in cleaned:
+            if not re.fullmatch(r"[A-Z0-9]{3}(\^[A-Z0-9]{1,7})?", item):
+                raise ValueError(f"{item!r} must be a message code or code^event, e.g. ADT or ADT^A01")
+        return cleaned
+
+    @field_validator("accept_processing_ids", "accept_versions")
+    @classmethod
+    def _plain_values(cls, value: list[str]) -> list[str]:
+        cleaned = [item.strip() for item in value]
+        if any(not item for item in cleaned):
+            raise ValueError("entries must not be empty")
+        return cleaned
+
+    @field_validator("allowed_sources")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        networks = []
+        for item in value:
+            try:
+                networks.append(str(ipaddress.ip_network(item.strip(), strict=False)))
+            except ValueError:
+                raise ValueError(
+                    f"{item!r} is not an IP address or CIDR network, e.g. 10.1.0.0/16"
+                ) from None
+        return networks
+
+    @field_validator("tls_cert", "tls_key", "tls_client_ca", mode="after")
+    @classmethod
+    def _resolve_paths(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        return _absolute(value, info)
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ChannelSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together; set both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key")
+        return self
+
+    @property
+    def host(self) -> str:
+        """The listen host, IPv6 brackets removed."""
+        return parse_listen(self.listen, allow_port_zero=True)[0]
+
+    @property
+    def port(self) -> int:
+        return parse_listen(self.listen, allow_port_zero=True)[1]
+
+
+_WILDCARDS = frozenset({"0.0.0.0", "::"})
+
+
+def _addresses_clash(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Same port and same host, or either side binds every address."""
+    if a[1] != b[1] or a[1] == 0:
+        return False
+    return a[0] == b[0] or a[0] in _WILDCARDS or b[0] in _WILDCARDS
+
+
+class Settings(BaseSettings):
+    """The whole configuration. Build it with :func:`load_settings`.
+
+    ``Settings(...)`` validates only the values it is given (no environment,
+    no file): deterministic for tests; :func:`load_settings` adds the file and
+    the environment with SPEC 3's strictness.
+    """
+
+    # Keys are matched exactly: the file's [SERVER] is an unknown section, not
+    # [server]. Variable names are case-insensitive: see _EnvironSource.
+    model_config = SettingsConfigDict(case_sensitive=True, extra="forbid")
+
+    agent: AgentSettings = Field(default_factory=AgentSettings)
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    admin: AdminSettings = Field(default_factory=AdminSettings)
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    queue: QueueSettings = Field(default_factory=QueueSettings)
+    dispatch: DispatchSettings = Field(default_factory=DispatchSettings)
+    channels: list[ChannelSettings] = Field(default_factory=list)
+
+    _config_path: Path | None = PrivateAttr(default=None)
+    _env_sources: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Only what is passed in. load_settings runs the file and environment
+        # sources itself, so that the sections are validated with its context.
+        return (init_settings,)
+
+    @model_validator(mode="after")
+    def _channels_distinct(self) -> Settings:
+        seen_names: dict[str, int] = {}
+        seen_addrs: list[tuple[int, tuple[str, int]]] = []
+        for index, channel in enumerate(self.channels):
+            if channel.name in seen_names:
+                raise ValueError(
+                    f"channels[{index}].name: {channel.name!r} is already used by "
+                    f"channels[{seen_names[channel.name]}]; channel names must be unique"
+                )
+            seen_names[channel.name] = index
+            address = (channel.host, channel.port)
+            for other_index, other in seen_addrs:
+                if _addresses_clash(address, other):
+                    raise ValueError(
+                        f"channels[{index}].listen: {channel.listen!r} overlaps "
+                        f"channels[{other_index}].listen; give each channel its own port"
+                    )
+            if self.admin.address is not None and _addresses_clash(address, self.admin.address):
+                raise ValueError(
+                    f"channels[{index}].listen: {channel.listen!r} overlaps admin.listen "
+                    f"{self.admin.listen!r}"
+                )
+            seen_addrs.append((index, address))
+        return self
+
+    @property
+    def config_path(self) -> Path | None:
+        """The file this was loaded from (None: environment only). Not a key."""
+        return self._config_path
+
+    @property
+    def db_path(self) -> Path:
+        return self.agent.data_dir / "queue.db"
+
+    def channel(self, name: str) -> ChannelSettings:
+        """The channel called ``name``; ConfigError (a usage error, exit 2) if there is none."""
+        for channel in self.channels:
+            if channel.name == name:
+                return channel
+        known = ", ".join(c.name for c in self.channels) or "none"
+        raise ConfigError(f"config error: no channel named {name!r} (configured: {known})")
+
+
+def security_features_unavailable(settings: Settings) -> list[str]:
+    """Security keys set before their feature exists (SPEC 3); the lead decides which."""
+    return []
+
+
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "agent": AgentSettings,
+    "server": ServerSettings,
+    "admin": AdminSettings,
+    "logging": LoggingSettings,
+    "queue": QueueSettings,
+    "dispatch": DispatchSettings,
+}
+
+
+_SECTION_MODELS: dict[str, type[BaseModel]] = {**_SECTIONS, "channels": ChannelSettings}

@@ -1,0 +1,522 @@
+"""The daemon: assembles database, listeners, dispatcher and admin, and stops them in order.
+
+Shutdown order on SIGTERM (uvicorn's, SPEC 7): stop accepting; let every
+connection finish the frame it is reading (commit + ACK) and hand it to the
+successor (with the application ACKs its sender still waits for), or close
+it; without a successor give pending application ACKs a bounded wait, then
+AR "resend later"; stop claiming and let in-flight transmits settle; release the
+lease; checkpoint the WAL; exit 0 — all within ``agent.shutdown_budget``.
+A second signal skips the waiting: connections are cut and the dispatcher
+cancelled, but every job already handed to the writer is still committed, so
+nothing that got an accept ACK is lost (inflight rows are recovered by the
+next lease holder, SPEC 6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from agent import __version__
+from agent.app.config import Settings
+from agent.errors import AdminListenInUse, LocalError, StorageError
+from agent.runtime import adoption, sockets
+from agent.runtime.admin import AdminServer, LoopHeartbeat, RuntimeView
+from agent.runtime.aio import cancel_and_wait, unless
+from agent.runtime.metrics import AgentMetrics
+from agent.runtime.mllp_server import ChannelListener, IntakeContext
+from agent.runtime.relay import AckRelay
+from agent.runtime.sdnotify import Notifier
+from agent.storage import sqlite as db
+from agent.storage.store import FREE_PAGE_SLACK, SqliteStore
+from agent.storage.writer import Reader, Writer
+
+if TYPE_CHECKING:
+    from agent.runtime.dispatcher import Dispatcher
+
+log = structlog.get_logger(__name__)
+
+HANDOVER_SOCKET = "handover.sock"
+#: At shutdown without a successor: time kept to answer held application ACKs AR and close after
+#: (the lingering close waits up to 2 s for the sender to close its side).
+HELD_ACK_GRACE = 2.5
+RECENT_FAILURES_SQL = """
+SELECT id, channel, control_id, message_type, state, error_code, error_text, attempts, updated_at
+FROM messages WHERE state IN ('failed', 'rejected')
+ORDER BY updated_at DESC LIMIT ?
+"""
+
+
+def make_store(conn: Any, settings: Settings) -> SqliteStore:
+    q = settings.queue
+    return SqliteStore(
+        conn,
+        db.load_queries(),
+        db_path=settings.db_path,
+        dedupe_window=q.dedupe_window,
+        retention=q.retention,
+        max_db_bytes=q.max_db_bytes,
+        min_free_disk_bytes=q.min_free_disk_bytes,
+    )
+
+
+def db_options(settings: Settings) -> db.DatabaseOptions:
+    return db.DatabaseOptions(
+        synchronous=settings.queue.synchronous, busy_timeout=settings.queue.busy_timeout
+    )
+
+
+class Agent:
+    """One daemon process."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = AgentMetrics()
+        self.metrics.set_info(agent_id=settings.agent.id, version=__version__)
+        self.notifier = Notifier.from_environ()
+        self.listeners: list[ChannelListener] = []
+        self.stop_requested = asyncio.Event()
+        self.force_stop = asyncio.Event()
+        self.started_at = time.time()
+        self.writer: Writer | None = None
+        self.reader: Reader | None = None
+        self.relay: AckRelay | None = None
+        self.handover: sockets.HandoverServer | None = None
+        self.adoption: adoption.AdoptionServer | None = None
+        self.admin: AdminServer | None = None
+        # The loop refreshes it; /healthz (another thread) fails when it goes stale.
+        self.heartbeat = LoopHeartbeat()
+        self.dispatcher: Dispatcher | None = None
+        self.tasks: list[asyncio.Task[None]] = []
+        self._signals = 0
+
+    # -- start ---------------------------------------------------------------
+
+    def _open_database(self) -> None:
+        s = self.settings
+        options = db_options(s)
+        conn = db.open_database(s.db_path, s.agent.id, options, time.time())
+        self.writer = Writer(make_store(conn, s))
+        self.writer.start()
+        self.reader = Reader(make_store(db.connect(s.db_path, options, create=False), s))
+
+    async def _listening_sockets(self) -> dict[str, socket.socket]:
+        """systemd's sockets, else a predecessor's (handover), else bind (SPEC 7).
+
+        systemd passes a socket unit's listeners (named after the channel) and
+        those we gave its fd store before a crash (named ``<channel>.stored``).
+        A stored one whose address no longer matches the channel's ``listen``
+        (the configuration changed) is dropped from the store and bound anew;
+        a socket unit's always wins, as its ListenStream= is the operator's
+        choice. Whatever we bound or were handed goes to the fd store, so a
+        restart after a crash refuses no connection.
+        """
+        channels = {c.name: c for c in self.settings.channels}
+        found: dict[str, socket.socket] = {}
+        inherited = sockets.inherited_sockets()
+        for name, socks in inherited.items():
+            channel_name = name.removesuffix(sockets.STORED_SUFFIX)
+            stored = channel_name != name
+            channel = channels.get(channel_name)
+            if channel is None or not socks or channel_name in found:
+                if channel is None and not stored:
+                    log.warning("inherited_socket_unused", name=name, hint="FileDescriptorName must equal a channel name")
+                usable = False
+            else:
+                usable = not stored or sockets.same_address(socks[0], channel.host, channel.port)
+            if not usable and stored:
+                # A channel removed or moved since the crash: never keep serving the old address.
+                log.info("stored_listener_dropped", channel=channel_name)
+                sockets.forget_stored_listener(channel_name)
+            if usable:
+                found[channel_name] = socks[0]
+                socks = socks[1:]
+            for sock in socks:
+                sock.close()
+        if found:
+            log.info("listeners_inherited_from_systemd", channels=sorted(found))
+        to_store: dict[str, socket.socket] = {}
+        missing = channels.keys() - found.keys()
+        if missing:
+            handed = await sockets.receive_handover(self.settings.agent.data_dir / HANDOVER_SOCKET)
+            for name, sock in (handed or {}).items():
+                if name in missing:
+                    found[name] = to_store[name] = sock
+                else:
+                    sock.close()
+            if handed:
+                log.info("listeners_received_by_handover", channels=sorted(set(handed) & missing))
+        reuse_port = self.settings.agent.reuse_port
+        for channel in self.settings.channels:
+            if channel.name in found:
+                continue
+            if reuse_port and not sockets.tcp_migrate_req_enabled():
+                log.warning(
+                    "reuse_port_may_reset_connections",
+                    channel=channel.name,
+                    hint="closing a SO_REUSEPORT listener resets its queued connections unless "
+                    "net.ipv4.tcp_migrate_req=1; prefer the handover socket or systemd activation",
+                )
+            try:
+                found[channel.name] = to_store[channel.name] = sockets.bind_listener(
+                    channel.host, channel.port, reuse_port=reuse_port
+                )
+            except OSError as exc:
+                # A runtime failure (exit 1), not a configuration error: the
+                # same config works once the port is free.
+                raise LocalError(
+                    f"channels.{channel.name}.listen: cannot listen on {channel.listen}: {exc.strerror or exc}"
+                ) from exc
+        sockets.store_listeners(to_store)
+        return found
+
+    def _view(self) -> RuntimeView:
+        assert self.reader is not None
+        reader = self.reader
+        names = [c.name for c in self.settings.channels]
+
+        def recent_failures(limit: int) -> list[dict[str, Any]]:
+            def query(store: SqliteStore) -> list[dict[str, Any]]:
+                cur = store.conn.execute(RECENT_FAILURES_SQL, (limit,))
+                return [{d[0]: v for d, v in zip(cur.description, row, strict=True)} for row in cur]
+
+            return reader.call(query)
+
+        return RuntimeView(
+            agent_id=self.settings.agent.id,
+            version=__version__,
+            started_at=self.started_at,
+            listeners_up=lambda: (bool(self.listeners) and all(lst.serving for lst in self.listeners))
+            or not self.settings.channels,
+            db_writable=self._db_writable,
+            upstream_state=self._upstream_state,
+            lease_held=lambda: bool(self.dispatcher is not None and self.dispatcher.lease_held),
+            stats=lambda: reader.call(lambda s: s.stats(names)),
+            recent_failures=recent_failures,
+            loop_age=self.heartbeat.age,
+        )
+
+    def _db_writable(self) -> tuple[bool, str]:
+        assert self.writer is not None
+        try:
+            self.writer.submit(lambda s: s.probe_write()).result(timeout=2.0)
+        except TimeoutError:
+            return False, "write probe timed out (locked or slow disk)"
+        except Exception as exc:  # noqa: BLE001 - any failure means not writable
+            return False, str(exc)
+        return True, "ok"
+
+    def _upstream_state(self) -> dict[str, Any]:
+        url = self.settings.server.url
+        if self.dispatcher is None:
+            return {"configured": bool(url), "connected": False, "url": url, "replay": None, "last_error": None}
+        return self.dispatcher.upstream_state()
+
+    async def start(self) -> None:
+        s = self.settings
+        self._open_database()
+        assert self.writer is not None
+        assert self.reader is not None
+        self.relay = AckRelay(self.reader)
+        ctx = IntakeContext(
+            writer=self.writer,
+            relay=self.relay,
+            application_ack_timeout=s.server.application_ack_timeout,
+            metrics=self.metrics,
+        )
+        socks = await self._listening_sockets()
+        for channel in s.channels:
+            listener = ChannelListener(channel, socks[channel.name], ctx)
+            await listener.start()
+            self.listeners.append(listener)
+            host, port = socks[channel.name].getsockname()[:2]
+            log.info("listener_started", channel=channel.name, host=host, port=port, ack=channel.ack)
+        self.handover = sockets.HandoverServer(
+            s.agent.data_dir / HANDOVER_SOCKET, lambda: {lst.channel.name: lst.sock for lst in self.listeners}
+        )
+        try:
+            await self.handover.start()
+        except OSError as exc:
+            log.warning("handover_server_unavailable", error=str(exc))
+            self.handover = None
+        await self._start_adoption(ctx)
+        self.metrics.bind_stats(self._view().stats)
+        self.tasks.append(asyncio.create_task(self._supervise(self.heartbeat.run(), "heartbeat")))
+        if s.admin.listen:
+            admin = AdminServer(s.admin.listen, self._view(), self.metrics)
+            try:
+                admin.start()
+                self.admin = admin
+            except AdminListenInUse as exc:
+                # Intake matters more than metrics: an overlapping version that
+                # was not given its own admin address still takes messages.
+                log.error("admin_unavailable", error=str(exc))
+        if s.server.url:
+            from agent.runtime.dispatcher import Dispatcher  # the dispatcher pulls in websockets
+
+            self.dispatcher = Dispatcher(s, self.writer, self.reader, self.relay, self.metrics)
+            ctx.on_committed = self.dispatcher.wake
+            self.tasks.append(asyncio.create_task(self._supervise(self.dispatcher.run(), "dispatcher")))
+        else:
+            log.warning("no_upstream_configured", hint="set [server] url; intake still queues messages")
+            for channel in s.channels:
+                if channel.ack == "application":
+                    log.warning("application_ack_without_upstream", channel=channel.name,
+                                hint="senders get AR after application_ack_timeout until [server] url is set")
+        self.tasks.append(asyncio.create_task(self._supervise(self._maintenance(), "maintenance")))
+        self.tasks.append(asyncio.create_task(self._supervise(self._watchdog(), "watchdog")))
+        self.notifier.ready(status=self._status_line())
+        log.info(
+            "agent_started",
+            agent_id=s.agent.id,
+            version=__version__,
+            channels=[c.name for c in s.channels],
+            db=str(s.db_path),
+            upstream=s.server.url,
+        )
+
+    async def _start_adoption(self, ctx: IntakeContext) -> None:
+        """Take live connections from a predecessor, and give ours to a successor (SPEC 7)."""
+        path = self.settings.agent.data_dir / adoption.ADOPT_SOCKET
+
+        async def adopt(channel: str, sock: socket.socket, remote: str, buffered: bytes,
+                        owed: adoption.Owed) -> bool:
+            for listener in self.listeners:
+                if listener.channel.name == channel:
+                    return await listener.adopt(sock, remote, buffered, owed)
+            return False
+
+        server = adoption.AdoptionServer(path, adopt)
+        try:
+            await server.start()
+        except OSError as exc:
+            log.warning("adoption_server_unavailable", error=str(exc))
+            return
+        self.adoption = server
+
+        async def hand_over(channel: str, fd: int, remote: str, buffered: bytes, owed: adoption.Owed) -> bool:
+            return await adoption.hand_over(path, server.identity, channel, remote, fd, buffered, owed=owed)
+
+        ctx.hand_over = hand_over
+
+    async def _supervise(self, coro: Any, name: str) -> None:
+        """A crashed side task stops the service instead of dying silently (procrastinate)."""
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("task_crashed", task=name)
+            self.exit_code = 1
+            self.stop_requested.set()
+
+    exit_code = 0
+
+    def _status_line(self) -> str:
+        up = "upstream connected" if self.dispatcher is not None and self.dispatcher.connected else (
+            "no upstream configured" if not self.settings.server.url else "upstream not connected")
+        held = ", lease held" if self.dispatcher is not None and self.dispatcher.lease_held else ""
+        return f"listening on {len(self.listeners)} channel(s); {up}{held}"
+
+    async def _watchdog(self) -> None:
+        """WATCHDOG=1 at half of WatchdogSec= (sd_watchdog_enabled(3)), STATUS= when it changes.
+
+        The ping comes from this event-loop task, so a wedged loop misses it
+        and systemd restarts the service. STATUS= is refreshed on its own
+        cadence, which never delays a ping.
+        """
+        loop = asyncio.get_running_loop()
+        interval = self.notifier.watchdog_interval()  # already half of WATCHDOG_USEC
+        status_period = 5.0
+        next_ping = next_status = loop.time()
+        last_status = ""
+        while True:
+            now = loop.time()
+            if interval and now >= next_ping:
+                self.notifier.watchdog()
+                next_ping = now + interval
+            if now >= next_status:
+                status = self._status_line()
+                if status != last_status:
+                    self.notifier.status(status)
+                    last_status = status
+                next_status = now + status_period
+            wake = min(next_ping, next_status) if interval else next_status
+            await asyncio.sleep(max(0.0, wake - loop.time()))
+
+    async def _maintenance(self) -> None:
+        """Retention, room for intake and a WAL that gives its space back, in every process.
+
+        Not lease-bound. Once a second it looks (read-only) at the disk: under
+        backpressure it purges delivered rows for room, hands free pages back
+        to the filesystem and truncates the WAL as soon as writes pause, so
+        intake resumes by itself; otherwise the retention sweep, a PASSIVE
+        checkpoint every ``checkpoint_interval`` and a TRUNCATE one when idle.
+        Every write goes through the writer (one batch, bounded work) and the
+        checkpoint gives up after 0.1 s rather than hold intake up.
+        """
+        assert self.writer is not None
+        assert self.reader is not None
+        writer, reader = self.writer, self.reader
+        q = self.settings.queue
+        tick = min(1.0, q.checkpoint_interval, q.retention_interval)
+        last_retention = float("-inf")  # the first sweep runs at once
+        last_checkpoint = last_truncate = last_optimize = time.monotonic()
+        wal = self.settings.db_path.with_name(self.settings.db_path.name + "-wal")
+        was_refusing: str | None = None
+        try:
+            if await reader.run(lambda s: s.auto_vacuum()) == db.AUTO_VACUUM_NONE:
+                log.info("queue_file_keeps_free_pages",
+                         hint="created before auto_vacuum: purged pages are reused, the file never "
+                              "shrinks; see docs/operations.md to convert it")
+        except StorageError as exc:
+            log.warning("maintenance_failed", error=str(exc))
+        while True:
+            await asyncio.sleep(tick)
+            mono = time.monotonic()
+            try:
+                # A message needs more room than the bare floor: intake may
+                # still refuse while the measurement (of zero bytes) passes.
+                refusing = await reader.run(lambda s: s.pressure()) or (
+                    "intake refuses messages for room" if mono - writer.store.refused_at < 3 * tick else None)
+                if bool(refusing) != bool(was_refusing):
+                    if refusing:
+                        log.warning("intake_backpressure", reason=refusing)
+                    else:
+                        log.info("intake_backpressure_over")
+                was_refusing = refusing
+                if refusing or mono - last_retention >= q.retention_interval:
+                    last_retention = mono
+                    purged = await writer.run(lambda s: s.make_room(time.time()) + s.enforce_size_cap())
+                    if purged:
+                        log.info("retention_purged", rows=purged)
+                # Free pages beyond a small slack go back to the filesystem
+                # (all of them while the disk is short); bounded per tick.
+                tight = bool(refusing) or await reader.run(lambda s: s.disk_tight())
+                keep = 0 if tight else FREE_PAGE_SLACK
+                if await reader.run(lambda s: s.free_pages()) > keep:
+                    await writer.run(lambda s: s.release_free_pages(keep))  # noqa: B023 - awaited here
+                wal_bytes = wal.stat().st_size if wal.exists() else 0
+                if wal_bytes > 0:
+                    # Cut the WAL to nothing at the first pause in writes when
+                    # space is short or it grew past its regular size (a big
+                    # batch, a purge, a vacuum); else once per interval.
+                    idle = writer.idle_for() >= tick
+                    if idle and (tight or wal_bytes > db.WAL_SIZE_LIMIT
+                                 or mono - last_truncate >= q.checkpoint_interval):
+                        last_truncate = last_checkpoint = mono
+                        await reader.run(lambda s: s.checkpoint("TRUNCATE"))
+                    elif mono - last_checkpoint >= q.checkpoint_interval:
+                        # PASSIVE never waits on readers or the other process's writer.
+                        last_checkpoint = mono
+                        await reader.run(lambda s: s.checkpoint("PASSIVE"))
+                if mono - last_optimize >= 3600:
+                    # SPEC 6: long-lived connections refresh the planner's statistics.
+                    last_optimize = mono
+                    await reader.run(lambda s: s.conn.execute("PRAGMA optimize").fetchall())
+                    await writer.run(lambda s: s.conn.execute("PRAGMA optimize").fetchall())
+            except (OSError, StorageError) as exc:
+                log.warning("maintenance_failed", error=str(exc))
+
+    # -- stop ----------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("shutdown_requested", signal=sig.name, budget_s=self.settings.agent.shutdown_budget)
+            self.stop_requested.set()
+        else:
+            log.warning("fast_shutdown_requested", signal=sig.name)
+            self.force_stop.set()
+
+    async def _within(self, aw: Awaitable[object], deadline: float) -> bool:
+        """Await ``aw`` until the deadline or a forced stop; True when it finished."""
+        done = await unless(aw, self.force_stop, timeout=max(0.0, deadline - time.monotonic()))
+        if done is not None and not done.cancelled() and done.exception() is not None:
+            log.error("shutdown_step_failed", error=str(done.exception()))
+        return done is not None
+
+    async def _connections_closed(self) -> None:
+        await asyncio.gather(*(lst.wait_connections_closed() for lst in self.listeners))
+
+    async def shutdown(self) -> None:
+        s = self.settings
+        budget = s.agent.shutdown_budget
+        deadline = time.monotonic() + budget
+        self.notifier.stopping(status="stopping: finishing messages being read")
+        if self.handover is not None:
+            await self.handover.close()
+        if self.adoption is not None:
+            # Ours stops taking connections; a successor's path is left alone,
+            # and our connections are handed to it below.
+            await self.adoption.close()
+        for listener in self.listeners:
+            listener.stop_accepting()
+        for listener in self.listeners:
+            listener.close_connections()
+        # Connections finish the frame they are reading and their ACKs. One
+        # whose sender waits for the server's application ACKs goes to the
+        # successor with them at once; where none takes it, they are awaited
+        # here until shortly before two thirds of the budget (the last third
+        # is for the dispatcher and the database), then each is answered AR
+        # "resend later" before the connection closes — never silence.
+        connections_by = deadline - budget / 3
+        drained = await self._within(self._connections_closed(), connections_by - min(HELD_ACK_GRACE, budget / 4))
+        if not drained:
+            for listener in self.listeners:
+                listener.release_held_acks()
+            drained = await self._within(self._connections_closed(), connections_by)
+        if not drained:
+            log.warning("connections_aborted_at_budget", open=sum(len(lst.connections) for lst in self.listeners))
+        for listener in self.listeners:
+            listener.release_held_acks()
+            listener.abort_connections()
+        # Aborted connections end at once; let their tasks finish before the
+        # loop is torn down (else asyncio logs callbacks on a closed loop).
+        await self._within(self._connections_closed(), time.monotonic() + 1.0)
+        if self.dispatcher is not None:
+            await self._within(self.dispatcher.stop(deadline=deadline - 1.0, force=self.force_stop),
+                               deadline - 0.5)
+        await cancel_and_wait(*self.tasks)
+        if self.relay is not None:
+            await self.relay.close()
+        if self.admin is not None:
+            self.admin.stop()
+        await asyncio.get_running_loop().run_in_executor(None, self._close_database)
+        log.info("agent_stopped", exit_code=self.exit_code)
+
+    def _close_database(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.reader is not None:
+            # Give the WAL's space back, but never queue behind a successor's writes.
+            with contextlib.suppress(Exception):
+                self.reader.store.checkpoint("TRUNCATE", wait=0.5)
+            self.reader.close()
+
+
+async def run_agent(settings: Settings) -> int:
+    agent = Agent(settings)
+    agent.install_signal_handlers()
+    try:
+        await agent.start()
+    except BaseException:
+        agent.exit_code = 1
+        await agent.shutdown()
+        raise
+    await agent.stop_requested.wait()
+    await agent.shutdown()
+    return agent.exit_code
+

@@ -1,0 +1,1 @@
+"""Pure parts: no asyncio, socket, sqlite3 or threads (see docs/architecture.md)."""

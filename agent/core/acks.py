@@ -1,0 +1,370 @@
+"""Build and read HL7 v2 ACK messages (SPEC 4; HL7 tables 0008 and 0357).
+
+Ours rather than ``hl7.create_ack``: that one omits the ERR segment, hard-codes
+parts of the MSH and breaks on a short inbound MSH. A broken MSH must still get
+a reject ACK, so ``build_ack`` never raises on odd input.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import uuid
+from datetime import datetime
+from enum import Enum, StrEnum
+
+from agent.core import envelope, mllp
+from agent.core.envelope import DEFAULT_ENCODING_CHARS, DEFAULT_FIELD_SEP, Envelope
+
+__all__ = [
+    "DEFAULT_ERROR_CODE",
+    "TABLE_0357",
+    "AckCode",
+    "Outcome",
+    "ack_code",
+    "app_ack_from_status",
+    "application_ack_wanted",
+    "build_ack",
+    "commit_ack_wanted",
+    "new_control_id",
+    "read_ack_code",
+    "relayed_ack",
+]
+
+
+class AckCode(StrEnum):
+    """HL7 table 0008 acknowledgment codes (original: A*, enhanced commit: C*)."""
+
+    AA = "AA"
+    AE = "AE"
+    AR = "AR"
+    CA = "CA"
+    CE = "CE"
+    CR = "CR"
+
+
+class Outcome(Enum):
+    """What intake made of a frame; ``ack_code`` maps it to the SPEC 4 table."""
+
+    COMMITTED = "committed"
+    RESEND_LATER = "resend_later"  # storage failure, backpressure
+    UNSUPPORTED = "unsupported"  # type/event/processing id/version not accepted
+    DUPLICATE_KEY = "duplicate_key"  # control id reused with another body
+    MALFORMED = "malformed"  # missing/malformed MSH field, undecodable bytes
+    TOO_LARGE = "too_large"  # frame over max_message_bytes
+
+
+# SPEC 4 table: outcome -> (original mode, enhanced mode).
+_ACK_CODES: dict[Outcome, tuple[AckCode, AckCode]] = {
+    Outcome.COMMITTED: (AckCode.AA, AckCode.CA),
+    Outcome.RESEND_LATER: (AckCode.AR, AckCode.CE),
+    Outcome.UNSUPPORTED: (AckCode.AR, AckCode.CR),
+    Outcome.DUPLICATE_KEY: (AckCode.AE, AckCode.CE),
+    Outcome.MALFORMED: (AckCode.AE, AckCode.CE),
+    Outcome.TOO_LARGE: (AckCode.AE, AckCode.CE),
+}
+
+#: The ERR-3 code each outcome gets when the caller names none (SPEC 4 table);
+#: MALFORMED callers should pass the EnvelopeError's 101/102, UNSUPPORTED ones 200-203.
+DEFAULT_ERROR_CODE: dict[Outcome, int | None] = {
+    Outcome.COMMITTED: None,
+    Outcome.RESEND_LATER: 207,
+    Outcome.UNSUPPORTED: 200,
+    Outcome.DUPLICATE_KEY: 205,
+    Outcome.MALFORMED: 101,
+    Outcome.TOO_LARGE: 207,
+}
+
+#: HL7 table 0357, message error condition codes.
+TABLE_0357: dict[int, str] = {
+    0: "Message accepted",
+    100: "Segment sequence error",
+    101: "Required field missing",
+    102: "Data type error",
+    103: "Table value not found",
+    200: "Unsupported message type",
+    201: "Unsupported event code",
+    202: "Unsupported processing id",
+    203: "Unsupported version id",
+    204: "Unknown key identifier",
+    205: "Duplicate key identifier",
+    206: "Application record locked",
+    207: "Application internal error",
+}
+
+_ACCEPT_CODES = frozenset({AckCode.AA, AckCode.CA})
+_DEFAULT_PROCESSING_ID = "P"
+_DEFAULT_VERSION = "2.5"
+_VERSION_RE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def ack_code(outcome: Outcome, enhanced: bool) -> AckCode:
+    """The MSA-1 code for an intake outcome in original or enhanced mode (SPEC 4)."""
+    original, enhanced_code = _ACK_CODES[outcome]
+    return enhanced_code if enhanced else original
+
+
+def new_control_id() -> str:
+    """A fresh MSH-10 for an ACK: unique and 20 characters (HL7 ST limit in v2.3-2.5)."""
+    return uuid.uuid4().hex[:20].upper()
+
+
+def _version_tuple(version_id: str, component_sep: str) -> tuple[int, int, int]:
+    """MSH-12.1 as numbers; unreadable versions count as 2.5 (what we then write)."""
+    match = _VERSION_RE.search(version_id.split(component_sep, 1)[0])
+    if match is None:
+        return (2, 5, 0)
+    return (int(match[1]), int(match[2]), int(match[3] or 0))
+
+
+def _timestamp(now: datetime | None) -> str:
+    """MSH-7 as HL7 DTM with time zone: YYYYMMDDHHMMSS.ffff+ZZZZ (SPEC 4)."""
+    if now is None:
+        moment = datetime.now().astimezone()
+    elif now.tzinfo is None:
+        moment = now.astimezone()  # naive: taken as local time
+    else:
+        moment = now
+    return f"{moment:%Y%m%d%H%M%S}.{moment.microsecond // 100:04d}{moment:%z}"
+
+
+def _usable_codec(codec: str) -> str:
+    """``codec`` if it is a real character set intake accepts, else ascii: an ACK must always go out.
+
+    A row an older version stored may name a Python codec that is a transform
+    (``idna``, ``rot13``) or not ASCII-compatible; encoding with it can raise
+    or produce bytes that break the MLLP framing.
+    """
+    return envelope.text_codec(codec) or "ascii"
+
+
+def _recode(raw: str, codec: str) -> str:
+    """Turn an envelope field (latin-1 "bytes as text") into real text in ``codec``."""
+    if raw.isascii():
+        return raw  # every usable codec reads ASCII as ASCII (the common case)
+    try:
+        return raw.encode("latin-1").decode(codec, errors="replace")
+    except UnicodeEncodeError:
+        return raw  # already real text (an Envelope built by hand)
+
+
+#: Characters no ACK may carry inside a field: the MLLP start and end block
+#: bytes (a 0x1C there ends the frame early at the sender) and segment ends.
+_FRAMING_CHARS = "\x0b\x1c\r\n"
+
+
+class _Delims:
+    """The delimiters an ACK is written with, and HL7 escaping (HL7 2.5 ch. 2.7)."""
+
+    def __init__(self, field_sep: str, encoding_chars: str) -> None:
+        delimiters = field_sep + encoding_chars
+        if len(field_sep) != 1 or not delimiters.isascii() or any(ch in _FRAMING_CHARS for ch in delimiters):
+            # read_msh never lets these through; an Envelope built by hand might.
+            field_sep, encoding_chars = DEFAULT_FIELD_SEP, DEFAULT_ENCODING_CHARS
+        effective = encoding_chars + DEFAULT_ENCODING_CHARS[len(encoding_chars) :]
+        self.field = field_sep
+        self.encoding_chars = encoding_chars
+        self.component = effective[0]
+        self.repetition = effective[1]
+        self.escape = effective[2]
+        self.subcomponent = effective[3]
+        esc = self.escape
+        table = {
+            esc: f"{esc}E{esc}",
+            field_sep: f"{esc}F{esc}",
+            self.component: f"{esc}S{esc}",
+            self.repetition: f"{esc}R{esc}",
+            self.subcomponent: f"{esc}T{esc}",
+            "\r": " ",
+            "\n": " ",
+            # HL7 2.5 ch. 2.7.3: \Xhh\ hexadecimal data, for the MLLP block bytes.
+            "\x0b": f"{esc}X0B{esc}",
+            "\x1c": f"{esc}X1C{esc}",
+        }
+        if len(effective) > 4:
+            table[effective[4]] = f"{esc}P{esc}"  # truncation character, v2.7+
+        self._table = str.maketrans(table)
+        # A copied field is already HL7-encoded text in the sender's delimiters:
+        # only the characters that would break the frame or the segment get
+        # the hexadecimal escape (HL7 2.5 ch. 2.7.3), nothing else changes.
+        self._framing = str.maketrans({ch: f"{esc}X{ord(ch):02X}{esc}" for ch in _FRAMING_CHARS})
+
+    def escape_text(self, text: str) -> str:
+        """Free text (MSA-3, ERR texts) with every delimiter escaped."""
+        return text.translate(self._table)
+
+    def escape_framing(self, field: str) -> str:
+        """A field copied from the inbound MSH, with 0x0B, 0x1C, CR and LF as ``\\Xhh\\``."""
+        return field.translate(self._framing)
+
+
+@functools.lru_cache(maxsize=64)
+def _delims(field_sep: str, encoding_chars: str) -> _Delims:
+    """Delimiters (and their escape table) per sender style, built once."""
+    return _Delims(field_sep, encoding_chars)
+
+
+def build_ack(
+    inbound: Envelope | None,
+    code: AckCode,
+    *,
+    text: str = "",
+    error_code: int | None = None,
+    severity: str = "E",
+    now: datetime | None = None,
+    control_id: str | None = None,
+    codec: str = "ascii",
+    inbound_control_id: str = "",
+) -> bytes:
+    """The ACK for ``inbound`` as bytes (no MLLP framing), segments ended by ``\\r``.
+
+    SPEC 4: sender's delimiters; MSH-3/4 <- inbound MSH-5/6 and MSH-5/6 <- MSH-3/4;
+    MSH-7 now with zone; MSH-9 ``ACK^<trigger>^ACK``; new MSH-10; MSH-11/12 and
+    MSH-18 copied; MSA-1 ``code``, MSA-2 inbound MSH-10, MSA-3 ``text``. Every
+    non-accept carries ERR: ERR-3/ERR-4 from v2.5, ERR-1 and MSA-6 before.
+    ``inbound=None`` (MSH unreadable) gives a minimal reject with ``|^~\\&``.
+    """
+    codec = _usable_codec(codec)
+    if inbound is not None:
+        delims = _delims(inbound.field_sep, inbound.encoding_chars)
+    else:
+        delims = _delims(DEFAULT_FIELD_SEP, DEFAULT_ENCODING_CHARS)
+
+    def copied(raw: str) -> str:
+        return delims.escape_framing(_recode(raw, codec))
+
+    if inbound is not None:
+        trigger = copied(inbound.trigger_event)
+        # SPEC 4: MSH-11/12 copied, never a made-up value — an empty MSH-11
+        # stays empty. Only a header so broken that MSH-12 is missing too (a
+        # minimal reject) gets defaults: the ERR layout depends on the version.
+        processing_id = copied(inbound.processing_id)
+        version_id = copied(inbound.version_id)
+        if not version_id:
+            processing_id = processing_id or _DEFAULT_PROCESSING_ID
+            version_id = _DEFAULT_VERSION
+        version = _version_tuple(version_id, delims.component)
+        swapped = [
+            copied(inbound.receiving_app),
+            copied(inbound.receiving_facility),
+            copied(inbound.sending_app),
+            copied(inbound.sending_facility),
+        ]
+        msa2 = copied(inbound.control_id) or copied(inbound_control_id)
+        charset = copied(inbound.charset)
+    else:
+        trigger = ""
+        processing_id = _DEFAULT_PROCESSING_ID
+        version_id = _DEFAULT_VERSION
+        version = (2, 5, 0)
+        swapped = ["", "", "", ""]
+        msa2 = copied(inbound_control_id)
+        charset = ""
+
+    # MSH-9 is ACK^<trigger>^ACK for every version (SPEC 4). Before v2.3.1 the
+    # third component (message structure) was not defined; receivers of
+    # those versions ignore a component they do not know.
+    msh9 = delims.component.join(("ACK", trigger, "ACK")) if trigger else "ACK"
+
+    msh = [
+        "MSH",
+        delims.encoding_chars,
+        *swapped,  # MSH-3..6
+        _timestamp(now),  # MSH-7
+        "",  # MSH-8 security
+        msh9,
+        new_control_id() if control_id is None else delims.escape_framing(control_id),  # MSH-10
+        processing_id,  # MSH-11, copied verbatim (never a hard-coded P)
+        version_id,  # MSH-12, copied verbatim
+    ]
+    if charset:
+        msh.extend(["", "", "", "", "", charset])  # MSH-13..17 empty, MSH-18
+
+    accept = code in _ACCEPT_CODES
+    msa = ["MSA", str(code), msa2, delims.escape_text(text)]
+    segments = [msh, msa]
+    if not accept:
+        err_code = error_code if error_code is not None else 207
+        err_text = delims.escape_text(TABLE_0357.get(err_code, "Application internal error"))
+        if version >= (2, 5, 0):
+            # ERR-3 (CWE, table 0357) and ERR-4 severity exist from v2.5.
+            err3 = delims.component.join((str(err_code), err_text, "HL70357"))
+            segments.append(["ERR", "", "", err3, severity])
+        else:
+            # v2.1-2.4: ERR-1 ELD = segment^sequence^field^code(CE, as subcomponents),
+            # and MSA-6 CE error condition.
+            ce_sub = delims.subcomponent.join((str(err_code), err_text, "HL70357"))
+            segments.append(["ERR", delims.component * 3 + ce_sub])
+            msa.extend(["", "", delims.component.join((str(err_code), err_text, "HL70357"))])
+
+    text_out = "".join(delims.field.join(seg) + "\r" for seg in segments)
+    return text_out.encode(codec, errors="replace")
+
+
+def _wanted(ack_type: str, success: bool) -> bool:
+    """HL7 table 0155: AL always, NE never, ER only on error, SU only on success."""
+    value = ack_type.strip().upper()
+    if value == "NE":
+        return False
+    if value == "ER":
+        return not success
+    if value == "SU":
+        return success
+    return True  # AL, empty (original mode) or unknown: always acknowledge
+
+
+def commit_ack_wanted(inbound: Envelope, success: bool) -> bool:
+    """Whether the sender wants a commit ACK, per MSH-15 (SPEC 4)."""
+    return _wanted(inbound.accept_ack_type, success)
+
+
+def application_ack_wanted(inbound: Envelope, success: bool) -> bool:
+    """Whether the sender wants an application ACK, per MSH-16 (SPEC 4)."""
+    return _wanted(inbound.application_ack_type, success)
+
+
+def app_ack_from_status(
+    inbound: Envelope, status: int, codec: str, *, now: datetime | None = None
+) -> bytes:
+    """The application ACK for a server answer without ``ack`` (SPEC 4).
+
+    AA for 2xx, else AE with ERR-3 207. Enhanced-mode senders get the same codes:
+    application ACKs use AA/AE/AR, not the commit codes CA/CE/CR.
+    """
+    if 200 <= status < 300:
+        return build_ack(inbound, AckCode.AA, codec=codec, now=now)
+    return build_ack(
+        inbound,
+        AckCode.AE,
+        text=f"rejected by the receiving system (status {status})",
+        error_code=207,
+        codec=codec,
+        now=now,
+    )
+
+
+def relayed_ack(ack_text: str, codec: str) -> bytes:
+    """The server's ACK text as the bytes the sender gets; never raises.
+
+    Segment ends normalised to ``\\r``; encoded in the sender's character set
+    when that is one intake accepts (else ASCII: a row an older version stored
+    may name a transform such as ``idna``, which raises on encoding); the
+    MLLP block bytes dropped, so it stays one frame on the sender's side.
+    """
+    normalised = ack_text.replace("\r\n", "\r").replace("\n", "\r")
+    return mllp.frame_safe(normalised.encode(_usable_codec(codec), errors="replace"))
+
+
+_SEGMENT_SPLIT = re.compile(rb"\r\n|\r|\n")
+
+
+def read_ack_code(ack: bytes) -> str | None:
+    """MSA-1 of an ACK (upper-cased), tolerant of framing and line endings; None without MSA."""
+    for raw in _SEGMENT_SPLIT.split(ack.strip(b"\x0b\x1c\r\n ")):
+        segment = raw.strip(b"\x0b\x1c ").decode("latin-1")
+        if segment.startswith("MSA") and len(segment) > 3 and not segment[3].isalnum():
+            fields = segment.split(segment[3])
+            return fields[1].strip().upper() if len(fields) > 1 else ""
+        if segment == "MSA":
+            return ""
+    return None

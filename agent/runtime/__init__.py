@@ -1,0 +1,1 @@
+"""Thin asyncio shells that pump bytes and apply what the cores decide."""

@@ -1,0 +1,1 @@
+"""The queue database: the only code that runs SQL."""

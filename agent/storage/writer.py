@@ -1,0 +1,254 @@
+"""One writer thread, group commit; one reader thread for polling and stats.
+
+SQLite is synchronous and allows one writer at a time. The event loop never
+waits on it: callers ``await writer.run(fn)``; the thread takes every job
+waiting, runs them in one ``BEGIN IMMEDIATE`` (each in its own SAVEPOINT so a
+failing job does not sink the batch) and resolves the futures only after
+``COMMIT`` returned — so an accept ACK can never precede its commit
+(SPEC section 4). If COMMIT fails, every job of the batch fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import structlog
+
+from agent.errors import AgentError, DatabaseLocked, StorageError
+from agent.storage.store import SqliteStore
+
+T = TypeVar("T")
+P = ParamSpec("P")
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _Job:
+    fn: Callable[[SqliteStore], Any]
+    future: concurrent.futures.Future[Any]
+
+
+_STOP = object()
+
+
+def _as_storage_error(exc: sqlite3.Error) -> StorageError:
+    text = str(exc)
+    if "locked" in text or "busy" in text:
+        return DatabaseLocked(f"database is locked: {text}")
+    return StorageError(text)
+
+
+class Writer:
+    """Runs store operations on one thread, grouping them into shared commits."""
+
+    def __init__(self, store: SqliteStore, *, max_batch: int = 512, name: str = "queue-writer") -> None:
+        self.store = store
+        self.max_batch = max_batch
+        self._jobs: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._closed = False
+        self._deferred: list[_Job] = []
+        self._deferred_lock = threading.Lock()
+        self.defer_flush_interval = 0.5
+        self.batches = 0
+        self.last_write = time.monotonic()  # of the last batch that changed a row
+
+    def idle_for(self) -> float:
+        """Seconds since a batch last changed a row (a refused intake changes none)."""
+        return time.monotonic() - self.last_write
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, fn: Callable[[SqliteStore], T]) -> concurrent.futures.Future[T]:
+        """Thread-safe: queue ``fn`` for the next batch."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._closed:
+            future.set_exception(StorageError("the queue writer is closed"))
+            return future
+        self._jobs.put(_Job(fn, future))
+        return future
+
+    def defer(self, fn: Callable[[SqliteStore], object]) -> None:
+        """Thread-safe: run ``fn`` with the next batch, without causing a commit of its own.
+
+        For bookkeeping that may be lost in a crash (``ack_outcome``): it rides
+        along with the next intake or dispatch commit, or is flushed within
+        ``defer_flush_interval`` when the queue is quiet. Giving it a commit of
+        its own would cost one fsync per message and slow every sender.
+        """
+        if self._closed:
+            return
+        with self._deferred_lock:
+            self._deferred.append(_Job(fn, concurrent.futures.Future()))
+
+    def _take_deferred(self) -> list[_Job]:
+        with self._deferred_lock:
+            taken, self._deferred = self._deferred, []
+        return taken
+
+    async def call(
+        self, method: Callable[Concatenate[SqliteStore, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """Run one store method in the next committed batch: ``await writer.call(SqliteStore.claim, …)``.
+
+        The form to use in new code: a reader can grep for the store method it runs.
+        """
+        return await self.run(lambda store: method(store, *args, **kwargs))
+
+    async def run(self, fn: Callable[[SqliteStore], T]) -> T:
+        """Run ``fn(store)`` in the next committed batch and return its result."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish every queued job, then stop the thread and close the connection."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(_STOP)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        try:
+            self.store.conn.close()
+        except sqlite3.Error:
+            pass
+
+    # -- the thread ----------------------------------------------------------
+
+    def _loop(self) -> None:
+        stopping = False
+        while not stopping:
+            try:
+                first = self._jobs.get(timeout=self.defer_flush_interval)
+            except queue.Empty:
+                deferred = self._take_deferred()
+                if deferred:
+                    self._run_batch_safely(deferred)
+                continue
+            batch = self._take_deferred()
+            nxt: _Job | object = first
+            while True:
+                if isinstance(nxt, _Job):
+                    batch.append(nxt)
+                else:  # _STOP: finish this batch (deferred jobs included), then end
+                    stopping = True
+                    break
+                if len(batch) >= self.max_batch:
+                    break
+                try:
+                    nxt = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                self._run_batch_safely(batch)
+
+    def _run_batch_safely(self, jobs: list[_Job]) -> None:
+        try:
+            self._run_batch(jobs)
+        except Exception as exc:  # noqa: BLE001 - the thread must outlive any one batch
+            # A caller waiting on a future that is never resolved would
+            # hang its connection for good; fail what is still pending.
+            self._resolve_pending(jobs, StorageError(f"queue writer failed: {exc!r}"))
+
+    def _run_batch(self, batch: list[_Job]) -> None:
+        conn = self.store.conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            self._fail_all(batch, _as_storage_error(exc))
+            return
+        # Intake measures free disk space once per batch, not on a timer: a
+        # burst cannot outrun the check and eat the reserve dispatch needs.
+        self.store.begin_batch()
+        changes = conn.total_changes
+        outcomes: list[tuple[bool, Any]] = []
+        for index, job in enumerate(batch):
+            savepoint = f"job{index}"
+            try:
+                conn.execute(f"SAVEPOINT {savepoint}")
+                result = job.fn(self.store)
+                conn.execute(f"RELEASE {savepoint}")
+                outcomes.append((True, result))
+            except Exception as exc:  # noqa: BLE001 - every job error is reported to its caller
+                try:
+                    conn.execute(f"ROLLBACK TO {savepoint}")
+                    conn.execute(f"RELEASE {savepoint}")
+                except sqlite3.Error:
+                    pass
+                if isinstance(exc, sqlite3.Error):
+                    exc = _as_storage_error(exc)
+                outcomes.append((False, exc))
+                if isinstance(exc, StorageError) and not conn.in_transaction:
+                    # SQLite rolled the whole transaction back (e.g. disk I/O
+                    # error): nothing of this batch is committed.
+                    self._fail_all(batch, exc)
+                    return
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            self._fail_all(batch, _as_storage_error(exc))
+            return
+        self.batches += 1
+        if conn.total_changes != changes:
+            self.last_write = time.monotonic()
+        for job, (ok, value) in zip(batch, outcomes, strict=True):
+            if job.future.set_running_or_notify_cancel():
+                if ok:
+                    job.future.set_result(value)
+                else:
+                    job.future.set_exception(value)
+
+    def _fail_all(self, batch: list[_Job], error: AgentError) -> None:
+        # Callers first: a failing log stream (EPIPE, full disk) must not
+        # leave them waiting.
+        self._resolve_pending(batch, error)
+        log.error("queue_commit_failed", error=str(error), jobs=len(batch))
+
+    @staticmethod
+    def _resolve_pending(batch: list[_Job], error: AgentError) -> None:
+        for job in batch:
+            future = job.future
+            if future.done():
+                continue
+            if future.running() or future.set_running_or_notify_cancel():
+                future.set_exception(error)
+
+
+class Reader:
+    """A second connection on its own thread for reads that must not queue behind writes."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        self.store = store
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="queue-reader")
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[[SqliteStore], T]) -> T:
+        """Blocking read from any thread (admin server, CLI)."""
+        with self._lock:
+            try:
+                return fn(self.store)
+            except sqlite3.Error as exc:
+                raise _as_storage_error(exc) from exc
+
+    async def run(self, fn: Callable[[SqliteStore], T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.call, fn)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        try:
+            self.store.conn.close()
+        except sqlite3.Error:
+            pass
