@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/idle.py [--connections 1000]
 
-Starts the daemon (intake only, one channel with ``max_connections`` above
-the count, RLIMIT_NOFILE raised for it and for this process), sends a few
-messages so lazily built state exists, then reads its RSS: before, with
+Starts the daemon (intake only, one channel with ``max_connections`` and
+``max_connections_per_source`` above the count, RLIMIT_NOFILE raised for it
+and for this process), sends a few messages so lazily built state exists, then reads its RSS: before, with
 every connection open and idle (accepted: the daemon holds that many more
 sockets), after each connection has sent one message and got its ACK (the
 state of a sender between messages), and after they all closed.
@@ -90,7 +90,9 @@ def main() -> int:
         info = h.machine(wd)
         h.print_machine(info)
         channel = {"name": "adt", "listen": f"127.0.0.1:{h.free_port()}", "ack": "commit",
-                   "max_connections": args.connections + 16}
+                   # every connection comes from 127.0.0.1: the per-source bound too
+                   "max_connections": args.connections + 16,
+                   "max_connections_per_source": args.connections + 16}
         port = h.channel_ports([channel])[0]
         agent = h.Agent(wd, h.agent_config(wd / "data", [channel], admin_port=h.free_port()), preexec_fn=child_limits)
         socks: list[socket.socket] = []
