@@ -14,7 +14,8 @@ fills and only that thread waits: the event loop keeps answering senders.
 Once the queue is full, new lines are dropped and counted
 (``lines_dropped()``, exported as ``hl7_agent_log_lines_dropped_total``), and
 when the stream takes lines again one ``log_lines_dropped`` line says how many
-are missing. At exit the queue is written out with a bounded wait.
+are missing; a line is dropped whole or written whole, never cut. At exit the
+queue is written out with a bounded wait.
 
 When stderr is the journal (systemd sets ``JOURNAL_STREAM`` to its
 ``device:inode``), each line starts with its syslog priority ``<N>`` (RFC 5424
@@ -34,7 +35,7 @@ import logging
 import os
 import select
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TextIO
 
 import structlog
@@ -65,8 +66,20 @@ QUEUE_LINES = 8192
 #: reach a reader that is merely slow.
 EXIT_FLUSH_SECONDS = 2.0
 
-#: Most lines the writer takes per write(2): one system call for a burst.
+#: Most lines the writer takes from the queue per turn (a burst costs few
+#: system calls; see _ATOMIC_BYTES for how they are written).
 _BATCH_LINES = 256
+
+#: The largest write(2) that a pipe or FIFO takes whole or not at all (POSIX
+#: PIPE_BUF, 4096 on Linux). The writer writes pieces of at most this size
+#: that end at a line end, so the pipe (Docker's log FIFO, a supervisor's
+#: pipe) never holds half a line: not while a stuck reader keeps the writer
+#: blocked, and not after the process ended in that state (exit after a
+#: timed-out flush, SIGKILL), when the reader would get a cut JSON line with
+#: whatever is written next glued to it. On journald's stream socket a piece
+#: this small is queued as one buffer, so it is whole there too in practice.
+#: Only a single line longer than this can still be split.
+_ATOMIC_BYTES = select.PIPE_BUF
 
 #: The writer re-checks the queue at least this often even without a wake-up
 #: (a safety net; the normal path is the wake-up event).
@@ -103,28 +116,56 @@ def _abandon_stderr() -> None:
         pass
 
 
+def _line_pieces(data: bytes, limit: int = _ATOMIC_BYTES) -> Iterator[memoryview]:
+    """``data`` (whole lines) cut at line ends into pieces of at most ``limit`` bytes.
+
+    A line longer than ``limit`` is one piece of its own, the only kind larger
+    than ``limit``.
+    """
+    view = memoryview(data)
+    start, size = 0, len(data)
+    while start < size:
+        end = size if size - start <= limit else data.rfind(b"\n", start, start + limit) + 1
+        if end <= start:
+            end = data.find(b"\n", start) + 1 or size
+        yield view[start:end]
+        start = end
+
+
+def _write_lines(fd: int, text: str) -> bool:
+    """Write all of ``text`` (whole lines) to ``fd``, waiting as long as the reader needs.
+
+    Each write(2) is whole lines of at most _ATOMIC_BYTES, so it lands in a
+    pipe entirely or not at all; a partial write (a longer line, a regular
+    file) is continued with its rest. False when the stream is broken (EPIPE,
+    ENOSPC, closed): what is left of ``text`` is not written.
+    """
+    for piece in _line_pieces(text.encode("utf-8", "backslashreplace")):
+        while piece:
+            try:
+                written = os.write(fd, piece)
+            except BlockingIOError:
+                # Someone set O_NONBLOCK on the shared open file description: wait
+                # for room instead of spinning or dropping.
+                with contextlib.suppress(OSError, ValueError):
+                    select.select([], [fd], [], _IDLE_WAIT)
+                continue
+            except OSError:
+                return False
+            piece = piece[written:]
+    return True
+
+
 def _write_fd2(text: str) -> None:
-    """Write all of ``text`` to fd 2, waiting as long as the reader needs.
+    """Write all of ``text`` to fd 2; a broken stream is abandoned for /dev/null.
 
     Only the writer thread calls this, so waiting here never stalls the event
     loop. fd 2 is written with os.write, not through ``sys.stderr``: a thread
     blocked inside a buffered stream holds its lock, and the interpreter's
     final flush of that stream would then abort the process at exit.
     """
-    data = memoryview(text.encode("utf-8", "backslashreplace"))
-    while data:
-        try:
-            written = os.write(2, data)
-        except BlockingIOError:
-            # Someone set O_NONBLOCK on the shared open file description: wait
-            # for room instead of spinning or dropping.
-            with contextlib.suppress(OSError, ValueError):
-                select.select([], [2], [], _IDLE_WAIT)
-            continue
-        except OSError:
-            _abandon_stderr()
-            return
-        data = data[written:]
+    if not _write_lines(2, text):
+        _abandon_stderr()
 
 
 def _stream_writer(stream: TextIO) -> Callable[[str], None]:

@@ -9,14 +9,20 @@ the default's thousands.
 
 from __future__ import annotations
 
+import array
 import fcntl
 import io
+import itertools
 import json
 import logging
 import os
+import subprocess
+import sys
+import termios
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -160,3 +166,88 @@ class TestStuckReader:
         pipe.drain()
         assert flush_logs(10.0) is True
         assert not logs._get_sink().stuck()
+
+
+def pipe_bytes(read_fd: int) -> int:
+    """How many bytes the pipe holds now (FIONREAD, taken under the pipe's lock)."""
+    count = array.array("i", [0])
+    fcntl.ioctl(read_fd, termios.FIONREAD, count, True)
+    return count[0]
+
+
+class TestWholeLines:
+    def test_the_pipe_never_holds_half_a_line(self, tmp_path: Path) -> None:
+        """Whenever the writer stops (blocked on a stuck reader, then the process ends), the pipe holds whole lines.
+
+        A child process writes a 40 KB batch of lines of varying length through
+        the writer's fd-2 path, its stderr a real 4 KiB pipe. Nobody reads until
+        the child is blocked; then a reader reads in odd chunk sizes, and each
+        time it looks, the bytes written so far (read + still in the pipe) must
+        end at a line end: that is what the stream would hold if the process
+        ended right then. At the end the bytes read are exactly the lines.
+        """
+        text = "".join(json.dumps({"event": "message_committed", "seq": i, "pad": "x" * (i % 97)}) + "\n"
+                       for i in range(400))
+        data = text.encode()
+        # The test is only sharp if a write cut by the pipe's size would end inside a line.
+        assert data[PIPE_BYTES - 1:PIPE_BYTES] != b"\n"
+        batch = tmp_path / "batch"
+        batch.write_bytes(data)
+        read_fd, write_fd = os.pipe()
+        fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", "import sys, agent.logs as L; L._write_fd2(open(sys.argv[1]).read())",
+                 str(batch)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=write_fd)
+        finally:
+            os.close(write_fd)
+        received = bytearray()
+        try:
+            wait_for(lambda: pipe_bytes(read_fd) > 0, timeout=30, what="the child's first write")
+            sizes = itertools.cycle((1, 7, 100, 333, 4093, 13))
+            while len(received) < len(data):
+                written = len(received) + pipe_bytes(read_fd)
+                assert data[written - 1:written] == b"\n", (
+                    f"the stream would end in half a line: ...{data[written - 40:written]!r}")
+                chunk = os.read(read_fd, next(sizes))
+                assert chunk, "the pipe closed before every line arrived"
+                received.extend(chunk)
+            assert proc.wait(10) == 0
+            assert os.read(read_fd, 1) == b"", "nothing after the lines"
+            assert bytes(received) == data, "partial writes were continued exactly: nothing lost, nothing twice"
+        finally:
+            os.close(read_fd)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+    def test_an_exit_with_a_stuck_reader_leaves_no_half_line(self) -> None:
+        """A process that logs a burst and exits while nobody reads: the reader later finds whole lines only.
+
+        The exit flush gives up (lowered to 0.3 s) with the writer blocked on a
+        full 4 KiB pipe; whatever the pipe holds then is all the reader will
+        ever get of that process.
+        """
+        child = ("import agent.logs as L, structlog; L.EXIT_FLUSH_SECONDS = 0.3; "
+                 "L.configure_logging('info', 'json'); log = structlog.get_logger('agent.test')\n"
+                 "for i in range(2000): log.info('message_committed', seq=i, pad='x' * (i % 97))")
+        read_fd, write_fd = os.pipe()
+        fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=write_fd)
+        finally:
+            os.close(write_fd)
+        try:
+            assert proc.wait(30) == 0
+            received = bytearray()
+            while chunk := os.read(read_fd, 997):
+                received.extend(chunk)
+        finally:
+            os.close(read_fd)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        assert received.endswith(b"\n"), f"the stream ends in half a line: ...{bytes(received[-60:])!r}"
+        seqs = [json.loads(line)["seq"] for line in received.decode().splitlines()]
+        assert seqs and seqs == sorted(seqs)

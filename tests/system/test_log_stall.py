@@ -1,4 +1,4 @@
-"""A daemon whose stderr nobody reads keeps answering senders, and says what it dropped.
+"""A daemon whose stderr nobody reads keeps answering senders, says what it dropped, and cuts no line.
 
 The log reader is a real pipe that the test does not read — what a stuck
 journald stream or a stalled Docker log driver looks like from the daemon —
@@ -66,7 +66,23 @@ def dropped_total(admin: int) -> float:
 
 
 def entries(raw: bytes) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in raw.decode(errors="replace").splitlines() if line.startswith("{")]
+    """The log lines among the complete lines of ``raw``; each must be whole JSON.
+
+    A pipe is a byte stream: a read returns whatever the pipe holds, so bytes
+    read while the daemon is still writing usually end inside a line whose rest
+    is still in the pipe. That unfinished tail is left for the next look; every
+    line ended by a newline is parsed, and a cut one fails the test. Only the
+    CLI's own one-line messages (``hl7-agent: ...``) are not JSON.
+    """
+    text = raw.decode(errors="replace")
+    complete = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if not line.startswith("hl7-agent: ")]
+
+
+def whole_stream(raw: bytes) -> list[dict[str, Any]]:
+    """A stream read to its end: it must end at a line end (no half line left at exit)."""
+    assert raw.endswith(b"\n"), f"the stream ends in half a line: ...{raw[-80:]!r}"
+    return entries(raw)
 
 
 def small_pipe() -> tuple[int, int]:
@@ -168,7 +184,7 @@ class TestStuckLogReader:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(30) == 0
             reader.join(10)
-            final = entries(bytes(received))
+            final = whole_stream(bytes(received))
             assert sum(e["lines"] for e in final if e.get("event") == "log_lines_dropped") == dropped
             assert final[-1]["event"] == "agent_stopped", "queued lines are written out at exit"
         finally:
@@ -204,6 +220,11 @@ class TestStuckLogReader:
                 raise AssertionError("SIGTERM did not end a daemon whose stderr is stuck") from exc
             assert code == 0
             print(f"\nexit {time.monotonic() - began:.2f}s after SIGTERM with a stuck log reader")
+            # What the stuck reader finds once it reads again: whole lines, none cut by the exit.
+            left = bytearray()
+            while chunk := os.read(read_fd, 65536):
+                left.extend(chunk)
+            assert whole_stream(bytes(left)), "the lines written before the pipe filled"
         finally:
             stop(proc)
             os.close(read_fd)
@@ -223,5 +244,5 @@ class TestStartupError:
             assert proc.wait(30) == 1
         text = output.decode(errors="replace").splitlines()
         assert text[-1].startswith("hl7-agent: channels.adt.listen: cannot listen on"), text[-5:]
-        events = [e["event"] for e in entries(output)]
+        events = [e["event"] for e in whole_stream(output)]
         assert events[-1] == "agent_stopped", events

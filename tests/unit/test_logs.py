@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import logging
 import os
@@ -328,3 +329,33 @@ class TestJournalRendering:
         configure_logging("info", "json", out, journald=False)
         structlog.get_logger().error("writer_failed")
         assert written(out).startswith("{")
+
+
+class TestLinePieces:
+    """How a batch is cut into write(2)s: whole lines, each small enough for a pipe to take atomically."""
+
+    def test_pieces_end_at_line_ends_and_fit_the_atomic_size(self) -> None:
+        data = b"".join(b"x" * (n % 53) + b"\n" for n in range(500))
+        pieces = [bytes(p) for p in logs._line_pieces(data, 128)]
+        assert b"".join(pieces) == data
+        assert all(p.endswith(b"\n") and len(p) <= 128 for p in pieces)
+        # Lines are packed: each piece would overflow with the next line added.
+        assert all(len(a) + b.index(b"\n") + 1 > 128 for a, b in itertools.pairwise(pieces))
+
+    def test_a_line_longer_than_the_limit_is_one_piece_of_its_own(self) -> None:
+        long = b"y" * 300 + b"\n"
+        data = b"a\n" + long + b"b\n"
+        assert [bytes(p) for p in logs._line_pieces(data, 128)] == [b"a\n", long, b"b\n"]
+
+    def test_default_limit_is_pipe_buf(self) -> None:
+        """POSIX makes a pipe write of at most PIPE_BUF bytes atomic, and no larger one."""
+        read_fd, write_fd = os.pipe()
+        try:
+            pipe_buf = os.fpathconf(write_fd, "PC_PIPE_BUF")
+        finally:
+            os.close(read_fd)
+            os.close(write_fd)
+        assert pipe_buf == logs._ATOMIC_BYTES
+        pieces = list(logs._line_pieces((b"z" * 99 + b"\n") * 1000))
+        assert all(len(p) <= pipe_buf for p in pieces)
+        assert len(pieces[0]) == pipe_buf // 100 * 100
