@@ -197,7 +197,7 @@ class TestWholeLines:
         fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", "import sys, agent.logs as L; L._write_fd2(open(sys.argv[1]).read())",
+                [sys.executable, "-c", "import sys, agent.runtime.logs as L; L._write_fd2(open(sys.argv[1]).read())",
                  str(batch)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=write_fd)
         finally:
             os.close(write_fd)
@@ -228,7 +228,7 @@ class TestWholeLines:
         full 4 KiB pipe; whatever the pipe holds then is all the reader will
         ever get of that process.
         """
-        child = ("import agent.logs as L, structlog; L.EXIT_FLUSH_SECONDS = 0.3; "
+        child = ("import agent.runtime.logs as L, structlog; L.EXIT_FLUSH_SECONDS = 0.3; "
                  "L.configure_logging('info', 'json'); log = structlog.get_logger('agent.test')\n"
                  "for i in range(2000): log.info('message_committed', seq=i, pad='x' * (i % 97))")
         read_fd, write_fd = os.pipe()
