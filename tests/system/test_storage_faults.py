@@ -71,6 +71,13 @@ def free_bytes(mount: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def space_held(mount: Path) -> str:
+    """Where the space is, for a failure message: the free bytes, the queue file and its WAL."""
+    files = {p.name: p.stat().st_size for p in (mount / "data").glob("queue.db*")}
+    return f"{free_bytes(mount) / MiB:.2f} MiB free; " + ", ".join(
+        f"{name} {size / MiB:.2f} MiB" for name, size in sorted(files.items()))
+
+
 def fill_to(mount: Path, leave: int) -> Path:
     """Grow (or shrink) a filler file so that about ``leave`` bytes stay free."""
     filler = mount / "filler"
@@ -139,8 +146,11 @@ def test_a_full_disk_refuses_then_resumes_by_itself(tmp_path: Path) -> None:
             # The delivered rows' pages and the WAL go back to the filesystem
             # by themselves (no more traffic, no restart): most of the ~8 MiB
             # the backlog took.
-            wait_for(lambda: free_bytes(fs) >= floor + 6 * MiB, 30, interval=0.1,
-                     what="the backlog's space back on the filesystem")
+            try:
+                wait_for(lambda: free_bytes(fs) >= floor + 6 * MiB, 30, interval=0.1,
+                         what="the backlog's space back on the filesystem")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {space_held(fs)}") from None
             back_after = time.monotonic() - drained_at
             back = free_bytes(fs)
             print(f"\nfull disk: {len(accepted)} accepted, lowest free {lowest / MiB:.2f} MiB "
