@@ -359,8 +359,12 @@ class Agent:
         to the filesystem and truncates the WAL as soon as writes pause, so
         intake resumes by itself; otherwise the retention sweep, a PASSIVE
         checkpoint every ``checkpoint_interval`` and a TRUNCATE one when idle.
-        Every write goes through the writer (one batch, bounded work) and the
-        checkpoint gives up after 0.1 s rather than hold intake up.
+        Released pages leave the file only at a complete checkpoint, so a
+        release is followed by a TRUNCATE at the next pause in writes, retried
+        until it completes (SQLite's own checkpoint comes only after 1000 WAL
+        frames, and a release writes a handful). Every write goes through the
+        writer (one batch, bounded work) and the checkpoint gives up after
+        0.1 s rather than hold intake up.
         """
         assert self.writer is not None
         assert self.reader is not None
@@ -371,6 +375,7 @@ class Agent:
         last_checkpoint = last_truncate = last_optimize = time.monotonic()
         wal = self.settings.db_path.with_name(self.settings.db_path.name + "-wal")
         was_refusing: str | None = None
+        shrink_owed = False  # pages released that the file has not given back yet
         try:
             if await reader.run(lambda s: s.auto_vacuum()) == db.AUTO_VACUUM_NONE:
                 log.info("queue_file_keeps_free_pages",
@@ -402,17 +407,24 @@ class Agent:
                 tight = bool(refusing) or await reader.run(lambda s: s.disk_tight())
                 keep = 0 if tight else FREE_PAGE_SLACK
                 if await reader.run(lambda s: s.free_pages()) > keep:
-                    await writer.run(lambda s: s.release_free_pages(keep))  # noqa: B023 - awaited here
+                    released = await writer.run(lambda s: s.release_free_pages(keep))  # noqa: B023 - awaited here
+                    shrink_owed = shrink_owed or released > 0
                 wal_bytes = wal.stat().st_size if wal.exists() else 0
-                if wal_bytes > 0:
+                if wal_bytes == 0:
+                    shrink_owed = False  # only a complete checkpoint empties the WAL
+                else:
                     # Cut the WAL to nothing at the first pause in writes when
-                    # space is short or it grew past its regular size (a big
-                    # batch, a purge, a vacuum); else once per interval.
+                    # space is short, pages were released, or it grew past its
+                    # regular size (a big batch, a purge, a vacuum); else once
+                    # per interval. After a release, one that did not complete
+                    # (a reader or the other process's writer in the way) is
+                    # tried again at the next pause, not an interval later.
                     idle = writer.idle_for() >= tick
-                    if idle and (tight or wal_bytes > db.WAL_SIZE_LIMIT
+                    if idle and (tight or shrink_owed or wal_bytes > db.WAL_SIZE_LIMIT
                                  or mono - last_truncate >= q.checkpoint_interval):
                         last_truncate = last_checkpoint = mono
-                        await reader.run(lambda s: s.checkpoint("TRUNCATE"))
+                        busy, _, _ = await reader.run(lambda s: s.checkpoint("TRUNCATE"))
+                        shrink_owed = shrink_owed and bool(busy)
                     elif mono - last_checkpoint >= q.checkpoint_interval:
                         # PASSIVE never waits on readers or the other process's writer.
                         last_checkpoint = mono

@@ -39,6 +39,7 @@ from agenttest import (
 )
 
 from agent.core import mllp
+from agent.storage.store import FREE_PAGE_SLACK
 
 pytestmark = pytest.mark.slow
 
@@ -68,6 +69,13 @@ def tmpfs(path: Path, size: int) -> Iterator[Path]:
 def free_bytes(mount: Path) -> int:
     st = os.statvfs(mount)
     return st.f_bavail * st.f_frsize
+
+
+def space_held(mount: Path) -> str:
+    """Where the space is, for a failure message: the free bytes, the queue file and its WAL."""
+    files = {p.name: p.stat().st_size for p in (mount / "data").glob("queue.db*")}
+    return f"{free_bytes(mount) / MiB:.2f} MiB free; " + ", ".join(
+        f"{name} {size / MiB:.2f} MiB" for name, size in sorted(files.items()))
 
 
 def fill_to(mount: Path, leave: int) -> Path:
@@ -138,8 +146,11 @@ def test_a_full_disk_refuses_then_resumes_by_itself(tmp_path: Path) -> None:
             # The delivered rows' pages and the WAL go back to the filesystem
             # by themselves (no more traffic, no restart): most of the ~8 MiB
             # the backlog took.
-            wait_for(lambda: free_bytes(fs) >= floor + 6 * MiB, 30, interval=0.1,
-                     what="the backlog's space back on the filesystem")
+            try:
+                wait_for(lambda: free_bytes(fs) >= floor + 6 * MiB, 30, interval=0.1,
+                         what="the backlog's space back on the filesystem")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {space_held(fs)}") from None
             back_after = time.monotonic() - drained_at
             back = free_bytes(fs)
             print(f"\nfull disk: {len(accepted)} accepted, lowest free {lowest / MiB:.2f} MiB "
@@ -151,6 +162,58 @@ def test_a_full_disk_refuses_then_resumes_by_itself(tmp_path: Path) -> None:
             daemon.kill()
             if dev is not None:
                 dev.stop()
+
+
+def test_purged_pages_go_back_to_the_filesystem_within_seconds(tmp_path: Path) -> None:
+    """An operator purges delivered rows: the daemon hands the pages beyond its slack back and
+    the file really shrinks within seconds, on a roomy disk too (no floor crossed).
+
+    Releasing pages only shortens the database in the WAL; the file shrinks at the next complete
+    checkpoint. Without one of its own the daemon left that to SQLite's auto-checkpoint (only
+    after 1000 WAL frames, and a release writes a handful) or to ``checkpoint_interval``. The
+    restart empties the WAL (a truncating checkpoint at shutdown) so the release's few frames
+    cannot reach that threshold by chance.
+    """
+    port, up_port = free_port(), free_port()
+    data = tmp_path / "data"
+    db_path = data / "queue.db"
+    cfg = toml_config(data, [{"name": "adt", "listen": f"127.0.0.1:{port}"}],
+                      server_url=f"ws://127.0.0.1:{up_port}/agent",
+                      extra="[queue]\nmin_free_disk_bytes = 0\ncheckpoint_interval = 300\n")
+    dev = DevServerThread(port=up_port).start()
+    daemon = Daemon(tmp_path, cfg)
+    try:
+        daemon.start().wait_started()
+        ids = [f"G{n:04d}" for n in range(400)]
+        with MllpClient(port) as client:
+            for cid in ids:
+                assert ack_code(client.exchange(hl7_message(cid, pid="X" * 20_000))) == "AA"
+        wait_for(lambda: set(ids) <= delivered(dev), 60, what="every message delivered")
+        assert daemon.stop() == 0, daemon.log_tail()
+        daemon = Daemon(tmp_path, cfg, name="agent-again")
+        daemon.start().wait_started()
+        full = db_path.stat().st_size
+        purge = subprocess.run([sys.executable, "-m", "agent", "queue", "purge", "--config", str(daemon.config),
+                                "--state", "processed", "--older-than", "0"],
+                               capture_output=True, text=True, timeout=60, check=False)
+        assert purge.returncode == 0, purge.stderr
+        # What may stay: the slack of free pages kept for the next rows and the live pages.
+        bound = (FREE_PAGE_SLACK + 256) * 4096
+        assert full > bound + 2 * MiB, full
+        wal = db_path.with_name("queue.db-wal")
+
+        def footprint() -> int:
+            return db_path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+
+        started = time.monotonic()
+        wait_for(lambda: footprint() <= bound, 15, interval=0.1,
+                 what=f"the purged pages back on the filesystem (file and WAL at most {bound} bytes)")
+        print(f"\npurge: the file went from {full / MiB:.2f} MiB to {footprint() / MiB:.2f} MiB "
+              f"(with its WAL) in {time.monotonic() - started:.2f} s")
+        assert daemon.stop() == 0, daemon.log_tail()
+    finally:
+        daemon.kill()
+        dev.stop()
 
 
 def _burst(port: int, prefix: str, count: int, size: int) -> list[tuple[str, bytes]]:
