@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from agent.errors import LeaseLost
+from agent.errors import LeaseLost, StorageError
 from agent.storage import sqlite as db
 from agent.storage.store import IntakeItem, LeaseHolder, SqliteStore, holder_provably_dead
 
@@ -291,6 +291,27 @@ class TestAttemptScopedSettles:
         attempt = send(harness, "h1", epoch, ids[0])
         harness.tx(lambda s: s.requeue("h1", epoch, ids[0], attempt, 0.0, server_status=503))
         assert send(harness, "h1", epoch, ids[0]) == 2
+
+
+class TestSendAndResend:
+    def test_a_head_read_as_queued_is_sent_once_claimed(self, harness: Harness) -> None:
+        """The dispatcher passes the state it read (queued), then claims: the send is attempt 1."""
+        ids = queue_n(harness, 1)
+        epoch = acquire(harness, holder("h1"))
+        head = harness.store.channel_head("adt")
+        assert head is not None and head.state == "queued"
+        assert harness.tx(lambda s: s.claim("h1", epoch, ids[0]))
+        assert harness.tx(lambda s: s.mark_inflight("h1", epoch, ids[0], head.state, head.attempts)) == 1
+        assert harness.row(ids[0])["state"] == "inflight"
+
+    def test_a_resend_needs_an_inflight_row(self, harness: Harness) -> None:
+        """RESEND moves only inflight rows (its sources): a claimed row named as inflight is not sent."""
+        ids = queue_n(harness, 1)
+        epoch = acquire(harness, holder("h1"))
+        assert harness.tx(lambda s: s.claim("h1", epoch, ids[0]))
+        with pytest.raises(StorageError, match="was not inflight"):
+            harness.tx(lambda s: s.mark_inflight("h1", epoch, ids[0], "inflight", 0))
+        assert (harness.row(ids[0])["state"], harness.row(ids[0])["attempts"]) == ("claimed", 0)
 
 
 class TestLease:
