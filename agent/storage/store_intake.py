@@ -26,7 +26,7 @@ _AUDIT_ACK_MODE = "commit"
 (_AUDIT_STATE,) = Event.AUDIT.targets
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Keyed:
     """An item with its dedupe key and body hash, computed once."""
 
@@ -39,8 +39,15 @@ class IntakeQueries(StoreBase):
     """The intake half of the store."""
 
     def intake(self, item: IntakeItem) -> IntakeResult:
-        """Queue one message, or find it is a duplicate or a conflict (the one-item group)."""
-        return self.intake_batch((item,))[0]
+        """Queue one message, or find it is a duplicate or a conflict (a group of one)."""
+        now = self.clock()
+        k = self._keyed(item)
+        known = self._replay(k, now)
+        if known is not None:
+            return known
+        if maintenance.over_limits(self, now, self._cost(item)):
+            return IntakeResult(outcome="backpressure", message_id="", ack_mode=item.ack_mode)
+        return self._insert(k, now)
 
     def intake_batch(self, items: Sequence[IntakeItem]) -> list[IntakeResult]:
         """Queue a group of messages all or none: one result per item, in order.
@@ -50,6 +57,8 @@ class IntakeQueries(StoreBase):
         together (``backpressure``) when their total does not fit, and a
         failure while inserting rolls the whole group back.
         """
+        if len(items) == 1:
+            return [self.intake(items[0])]
         now = self.clock()
         keyed = [self._keyed(item) for item in items]
         results: list[IntakeResult | None] = [self._replay(k, now) for k in keyed]
@@ -59,8 +68,6 @@ class IntakeQueries(StoreBase):
             if maintenance.over_limits(self, now, cost):
                 for i in new:
                     results[i] = IntakeResult(outcome="backpressure", message_id="", ack_mode=items[i].ack_mode)
-            elif len(items) == 1:
-                results[0] = self._insert(keyed[0], now)
             else:
                 with self.dialect.nested(self.conn, "intake_group"):
                     seen: set[tuple[str, ...]] = set()
@@ -117,39 +124,38 @@ class IntakeQueries(StoreBase):
         item = k.item
         message_id = str(uuid.uuid4())
         seq = int(self._scalar("next_seq", channel=item.channel))
-        self._exec(
-            "insert_message",
-            id=message_id,
-            channel=item.channel,
-            seq=seq,
-            state=_INTAKE_STATE,
-            remote=item.remote,
-            sending_app=item.sending_app,
-            sending_facility=item.sending_facility,
-            control_id=item.control_id,
-            message_type=item.message_type,
-            encoding=item.encoding,
-            body=item.body,
-            body_sha256=k.sha,
-            ack_mode=item.ack_mode,
-            accept_ack_type=item.accept_ack_type,
-            application_ack_type=item.application_ack_type,
-            ack_sent=item.commit_ack,
-            ack_outcome=AckOutcome.PENDING,
-            error_code=None,
-            error_text=None,
-            now=item.received_at,
-        )
+        # The hot path: parameters as one dict, built once.
+        self.conn.execute(self.q["insert_message"], {
+            "id": message_id,
+            "channel": item.channel,
+            "seq": seq,
+            "state": _INTAKE_STATE,
+            "remote": item.remote,
+            "sending_app": item.sending_app,
+            "sending_facility": item.sending_facility,
+            "control_id": item.control_id,
+            "message_type": item.message_type,
+            "encoding": item.encoding,
+            "body": item.body,
+            "body_sha256": k.sha,
+            "ack_mode": item.ack_mode,
+            "accept_ack_type": item.accept_ack_type,
+            "application_ack_type": item.application_ack_type,
+            "ack_sent": item.commit_ack,
+            "ack_outcome": AckOutcome.PENDING,
+            "error_code": None,
+            "error_text": None,
+            "now": item.received_at,
+        })
         if item.control_id:
-            self._exec(
-                "dedupe_upsert",
+            self.conn.execute(self.q["dedupe_upsert"], {
                 **k.key,
-                body_sha256=k.sha,
-                message_id=message_id,
-                ack_mode=item.ack_mode,
-                commit_ack=item.commit_ack,
-                expires_at=now + self.dedupe_window,
-            )
+                "body_sha256": k.sha,
+                "message_id": message_id,
+                "ack_mode": item.ack_mode,
+                "commit_ack": item.commit_ack,
+                "expires_at": now + self.dedupe_window,
+            })
         return IntakeResult(outcome="accepted", message_id=message_id, seq=seq, ack_mode=item.ack_mode)
 
     def record_audit(self, item: AuditItem) -> str:
