@@ -1,4 +1,4 @@
-"""The ``hl7-agent`` command line (SPEC section 2).
+"""The ``hl7-agent`` command line (docs/operations.md).
 
 Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error. Errors
 are one line on stderr; ``--debug`` adds the traceback. Global flags
@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agent import __version__
+from agent.core.states import REDRIVABLE
 from agent.errors import AgentError, ConfigError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     retry = qcommand("retry", "put failed/rejected rows back to queued (keeps each id)")
     retry.add_argument("ids", nargs="*", metavar="ID")
-    retry.add_argument("--state", choices=["failed", "rejected"])
+    retry.add_argument("--state", choices=[s.value for s in REDRIVABLE])
     retry.add_argument("--channel")
     retry.add_argument("--dry-run", action="store_true")
 
@@ -168,7 +169,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    # SPEC 2: exit 0 or 1 only, even on configuration errors (Docker reserves 2).
+    # Exit 0 or 1 only, even on configuration errors (Docker reserves 2).
     try:
         from agent.app.health import check_health
 
@@ -210,8 +211,8 @@ def cmd_queue(args: argparse.Namespace) -> int:
 
 
 def cmd_channel(args: argparse.Namespace) -> int:
-    from agent.app.commands import queue as queuecmd
-    return queuecmd.cmd_channel(_settings(args), args)
+    from agent.app.commands import channel as channelcmd
+    return channelcmd.cmd_channel(_settings(args), args)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -231,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(words)
     except SystemExit as exc:
-        # SPEC 2: `health` exits 0 or 1 only (Docker reserves 2), even for a bad flag.
+        # `health` exits 0 or 1 only (Docker reserves 2), even for a bad flag.
         if exc.code == EXIT_USAGE and "health" in words:
             return EXIT_FAILURE
         raise

@@ -1,6 +1,6 @@
 """The daemon: assembles database, listeners, dispatcher and admin, and stops them in order.
 
-Shutdown order on SIGTERM (uvicorn's, SPEC 7): stop accepting; let every
+Shutdown order on SIGTERM (uvicorn's; docs/operations.md): stop accepting; let every
 connection finish the frame it is reading (commit + ACK) and hand it to the
 successor (with the application ACKs its sender still waits for), or close
 it; without a successor give pending application ACKs a bounded wait, then
@@ -9,13 +9,14 @@ lease; checkpoint the WAL; exit 0 — all within ``agent.shutdown_budget``.
 A second signal skips the waiting: connections are cut and the dispatcher
 cancelled, but every job already handed to the writer is still committed, so
 nothing that got an accept ACK is lost (inflight rows are recovered by the
-next lease holder, SPEC 6).
+next lease holder, docs/queue.md#recovery).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import socket
 import time
@@ -34,8 +35,10 @@ from agent.runtime.metrics import AgentMetrics
 from agent.runtime.mllp_server import ChannelListener, IntakeContext
 from agent.runtime.relay import AckRelay
 from agent.runtime.sdnotify import Notifier
+from agent.storage import maintenance
 from agent.storage import sqlite as db
-from agent.storage.store import FREE_PAGE_SLACK, SqliteStore
+from agent.storage.maintenance import FREE_PAGE_SLACK
+from agent.storage.store import SqliteStore, db_options, make_store
 from agent.storage.writer import Reader, Writer
 
 if TYPE_CHECKING:
@@ -47,30 +50,6 @@ HANDOVER_SOCKET = "handover.sock"
 #: At shutdown without a successor: time kept to answer held application ACKs AR and close after
 #: (the lingering close waits up to 2 s for the sender to close its side).
 HELD_ACK_GRACE = 2.5
-RECENT_FAILURES_SQL = """
-SELECT id, channel, control_id, message_type, state, error_code, error_text, attempts, updated_at
-FROM messages WHERE state IN ('failed', 'rejected')
-ORDER BY updated_at DESC LIMIT ?
-"""
-
-
-def make_store(conn: Any, settings: Settings) -> SqliteStore:
-    q = settings.queue
-    return SqliteStore(
-        conn,
-        db.load_queries(),
-        db_path=settings.db_path,
-        dedupe_window=q.dedupe_window,
-        retention=q.retention,
-        max_db_bytes=q.max_db_bytes,
-        min_free_disk_bytes=q.min_free_disk_bytes,
-    )
-
-
-def db_options(settings: Settings) -> db.DatabaseOptions:
-    return db.DatabaseOptions(
-        synchronous=settings.queue.synchronous, busy_timeout=settings.queue.busy_timeout
-    )
 
 
 class Agent:
@@ -101,14 +80,14 @@ class Agent:
 
     def _open_database(self) -> None:
         s = self.settings
-        options = db_options(s)
+        options = db_options(s.queue)
         conn = db.open_database(s.db_path, s.agent.id, options, time.time())
-        self.writer = Writer(make_store(conn, s))
+        self.writer = Writer(make_store(conn, s.db_path, s.queue))
         self.writer.start()
-        self.reader = Reader(make_store(db.connect(s.db_path, options, create=False), s))
+        self.reader = Reader(make_store(db.connect(s.db_path, options, create=False), s.db_path, s.queue))
 
     async def _listening_sockets(self) -> dict[str, socket.socket]:
-        """systemd's sockets, else a predecessor's (handover), else bind (SPEC 7).
+        """systemd's sockets, else a predecessor's (handover), else bind (docs/deploy.md).
 
         systemd passes a socket unit's listeners (named after the channel) and
         those we gave its fd store before a crash (named ``<channel>.stored``).
@@ -183,11 +162,8 @@ class Agent:
         names = [c.name for c in self.settings.channels]
 
         def recent_failures(limit: int) -> list[dict[str, Any]]:
-            def query(store: SqliteStore) -> list[dict[str, Any]]:
-                cur = store.conn.execute(RECENT_FAILURES_SQL, (limit,))
-                return [{d[0]: v for d, v in zip(cur.description, row, strict=True)} for row in cur]
-
-            return reader.call(query)
+            rows = reader.call_blocking(SqliteStore.recent_failures, limit)
+            return [dataclasses.asdict(row) for row in rows]
 
         return RuntimeView(
             agent_id=self.settings.agent.id,
@@ -198,7 +174,7 @@ class Agent:
             db_writable=self._db_writable,
             upstream_state=self._upstream_state,
             lease_held=lambda: bool(self.dispatcher is not None and self.dispatcher.lease_held),
-            stats=lambda: reader.call(lambda s: s.stats(names)),
+            stats=lambda: reader.call_blocking(SqliteStore.stats, names),
             recent_failures=recent_failures,
             loop_age=self.heartbeat.age,
         )
@@ -206,7 +182,7 @@ class Agent:
     def _db_writable(self) -> tuple[bool, str]:
         assert self.writer is not None
         try:
-            self.writer.submit(lambda s: s.probe_write()).result(timeout=2.0)
+            self.writer.submit(SqliteStore.probe_write).result(timeout=2.0)
         except TimeoutError:
             return False, "write probe timed out (locked or slow disk)"
         except Exception as exc:  # noqa: BLE001 - any failure means not writable
@@ -283,7 +259,7 @@ class Agent:
         )
 
     async def _start_adoption(self, ctx: IntakeContext) -> None:
-        """Take live connections from a predecessor, and give ours to a successor (SPEC 7)."""
+        """Take live connections from a predecessor, and give ours to a successor (docs/operations.md)."""
         path = self.settings.agent.data_dir / adoption.ADOPT_SOCKET
 
         async def adopt(channel: str, sock: socket.socket, remote: str, buffered: bytes,
@@ -377,7 +353,7 @@ class Agent:
         was_refusing: str | None = None
         shrink_owed = False  # pages released that the file has not given back yet
         try:
-            if await reader.run(lambda s: s.auto_vacuum()) == db.AUTO_VACUUM_NONE:
+            if await reader.call(maintenance.auto_vacuum) == db.AUTO_VACUUM_NONE:
                 log.info("queue_file_keeps_free_pages",
                          hint="created before auto_vacuum: purged pages are reused, the file never "
                               "shrinks; see docs/operations.md to convert it")
@@ -389,8 +365,9 @@ class Agent:
             try:
                 # A message needs more room than the bare floor: intake may
                 # still refuse while the measurement (of zero bytes) passes.
-                refusing = await reader.run(lambda s: s.pressure()) or (
-                    "intake refuses messages for room" if mono - writer.store.refused_at < 3 * tick else None)
+                refusing = await reader.call(maintenance.pressure) or (
+                    "intake refuses messages for room" if mono - writer.store.space.refused_at < 3 * tick
+                    else None)
                 if bool(refusing) != bool(was_refusing):
                     if refusing:
                         log.warning("intake_backpressure", reason=refusing)
@@ -399,15 +376,15 @@ class Agent:
                 was_refusing = refusing
                 if refusing or mono - last_retention >= q.retention_interval:
                     last_retention = mono
-                    purged = await writer.run(lambda s: s.make_room(time.time()) + s.enforce_size_cap())
+                    purged = await writer.call(maintenance.reclaim, time.time())
                     if purged:
                         log.info("retention_purged", rows=purged)
                 # Free pages beyond a small slack go back to the filesystem
                 # (all of them while the disk is short); bounded per tick.
-                tight = bool(refusing) or await reader.run(lambda s: s.disk_tight())
+                tight = bool(refusing) or await reader.call(maintenance.disk_tight)
                 keep = 0 if tight else FREE_PAGE_SLACK
-                if await reader.run(lambda s: s.free_pages()) > keep:
-                    released = await writer.run(lambda s: s.release_free_pages(keep))  # noqa: B023 - awaited here
+                if await reader.call(maintenance.free_pages) > keep:
+                    released = await writer.call(maintenance.release_free_pages, keep)
                     shrink_owed = shrink_owed or released > 0
                 wal_bytes = wal.stat().st_size if wal.exists() else 0
                 if wal_bytes == 0:
@@ -423,17 +400,17 @@ class Agent:
                     if idle and (tight or shrink_owed or wal_bytes > db.WAL_SIZE_LIMIT
                                  or mono - last_truncate >= q.checkpoint_interval):
                         last_truncate = last_checkpoint = mono
-                        busy, _, _ = await reader.run(lambda s: s.checkpoint("TRUNCATE"))
+                        busy, _, _ = await reader.call(maintenance.checkpoint, "TRUNCATE")
                         shrink_owed = shrink_owed and bool(busy)
                     elif mono - last_checkpoint >= q.checkpoint_interval:
                         # PASSIVE never waits on readers or the other process's writer.
                         last_checkpoint = mono
-                        await reader.run(lambda s: s.checkpoint("PASSIVE"))
+                        await reader.call(maintenance.checkpoint, "PASSIVE")
                 if mono - last_optimize >= 3600:
-                    # SPEC 6: long-lived connections refresh the planner's statistics.
+                    # Long-lived connections refresh the planner's statistics, hourly.
                     last_optimize = mono
-                    await reader.run(lambda s: s.conn.execute("PRAGMA optimize").fetchall())
-                    await writer.run(lambda s: s.conn.execute("PRAGMA optimize").fetchall())
+                    await reader.call(maintenance.optimize)
+                    await writer.call(maintenance.optimize)
             except (OSError, StorageError) as exc:
                 log.warning("maintenance_failed", error=str(exc))
 
@@ -515,7 +492,7 @@ class Agent:
         if self.reader is not None:
             # Give the WAL's space back, but never queue behind a successor's writes.
             with contextlib.suppress(Exception):
-                self.reader.store.checkpoint("TRUNCATE", wait=0.5)
+                self.reader.call_blocking(maintenance.checkpoint, "TRUNCATE", wait=0.5)
             self.reader.close()
 
 

@@ -1,9 +1,9 @@
 """Application-ACK relay: from a settled row to the connection that owes it.
 
-SPEC 4: the process that holds the sender's connection relays the server's
-ACK once the row is settled in the database — through an in-process signal
-when it also holds the lease, by polling the row otherwise (upgrade overlap,
-where another process dispatches). Both paths run here: a waiter gets the
+The process that holds the sender's connection relays the server's ACK once
+the row is settled in the database (docs/acks.md#relayed-application-acks):
+through an in-process signal when it also holds the lease, by polling the
+row otherwise (upgrade overlap, where another process dispatches). Both paths run here: a waiter gets the
 in-process signal at once, and one shared poller reads every waiting row in
 one query as a fallback.
 """
@@ -21,15 +21,6 @@ from agent.storage.store import SqliteStore
 from agent.storage.writer import Reader
 
 log = structlog.get_logger(__name__)
-
-
-def _settled_app_acks(store: SqliteStore, ids: list[str]) -> dict[str, bytes]:
-    placeholders = ",".join("?" for _ in ids)
-    rows = store.conn.execute(
-        f"SELECT id, app_ack FROM messages WHERE id IN ({placeholders}) AND app_ack IS NOT NULL",  # noqa: S608 - placeholders only
-        ids,
-    )
-    return {str(r[0]): bytes(r[1]) for r in rows}
 
 
 class AckRelay:
@@ -79,7 +70,7 @@ class AckRelay:
             if not ids:
                 continue
             try:
-                found = await self._reader.run(lambda s: _settled_app_acks(s, ids))  # noqa: B023 - awaited in this iteration
+                found = await self._reader.call(SqliteStore.settled_app_acks, ids)
             except StorageError as exc:
                 log.warning("ack_relay_poll_failed", error=str(exc))
                 continue

@@ -1,62 +1,53 @@
-"""Opening the queue database: pragmas, permissions, migrations, ownership.
+"""The SQLite side of the queue: connect, pragmas, migrations, ownership, error classes.
 
-The SQL lives in ``queue/`` (shipped as ``agent._sql`` through a committed
-symlink): ``migrations/NNNN_*.sql`` and ``queries.sql`` with ``-- name: x``
-blocks. SQL is data (procrastinate's layout); this module only loads it.
+What differs per database backend sits in :class:`SqliteDialect`, the small
+object the store holds: connecting, how a write transaction starts (``BEGIN
+IMMEDIATE`` here; ``BEGIN`` plus a row lock elsewhere), the clock the lease
+runs on (this host's time here; the database's ``now()`` for a shared server),
+how a driver error is classified (locked, disk full, read-only, connection
+lost) and how a BLOB comes back. Upsert syntax and column types are in the
+dialect's own SQL files (``queue/sqlite/``). Everything dialect-neutral —
+dedupe, seq, the fenced transitions, stats — is the store's.
 """
 
 from __future__ import annotations
 
+import enum
 import os
-import re
 import sqlite3
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
-from agent.errors import IncompatibleDatabase, StorageError
+from agent.errors import DatabaseLocked, IncompatibleDatabase, StorageError
+from agent.storage.sql import SQLITE, load_migrations, load_queries
+
+__all__ = [
+    "AUTO_VACUUM_INCREMENTAL",
+    "AUTO_VACUUM_NONE",
+    "MIN_COMPATIBLE_VERSION",
+    "SCHEMA_VERSION",
+    "WAL_SIZE_LIMIT",
+    "DatabaseOptions",
+    "Failure",
+    "SqliteDialect",
+    "check_owner",
+    "connect",
+    "load_migrations",
+    "load_queries",
+    "migrate",
+    "open_database",
+    "open_existing",
+    "read_meta",
+]
 
 #: The schema this code writes; migrations bring older files up to it.
 SCHEMA_VERSION = 1
 #: The oldest schema this code can still run against (forward compatibility:
 #: a newer file whose min_compatible_version is <= ours is fine).
 MIN_COMPATIBLE_VERSION = 1
-
-DB_FILENAME = "queue.db"
-
-_NAME_LINE = re.compile(r"^--\s*name:\s*([a-z0-9_]+)\s*$", re.MULTILINE)
-_MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
-
-
-def _sql_root() -> resources.abc.Traversable:
-    return resources.files("agent._sql")
-
-
-def load_queries() -> dict[str, str]:
-    """Named queries from every ``queue/*.sql``: each block starts with ``-- name: x``."""
-    queries: dict[str, str] = {}
-    files = sorted((e for e in _sql_root().iterdir() if e.name.endswith(".sql")), key=lambda e: e.name)
-    for entry in files:
-        parts = _NAME_LINE.split(entry.read_text(encoding="utf-8"))
-        # parts = [preamble, name1, body1, name2, body2, ...]
-        for name, body in zip(parts[1::2], parts[2::2], strict=True):
-            if name in queries:
-                raise RuntimeError(f"{entry.name} defines query {name!r} a second time")
-            queries[name] = body.strip()
-    return queries
-
-
-def load_migrations() -> list[tuple[int, str]]:
-    """(version, sql) for every migration file, in order."""
-    found: list[tuple[int, str]] = []
-    for entry in (_sql_root() / "migrations").iterdir():
-        match = _MIGRATION_NAME.match(entry.name)
-        if match:
-            found.append((int(match.group(1)), entry.read_text(encoding="utf-8")))
-    found.sort()
-    return found
-
 
 #: The WAL is cut back to this size whenever SQLite restarts it from the
 #: start (after a complete checkpoint), so one big batch or a long reader
@@ -72,8 +63,137 @@ AUTO_VACUUM_INCREMENTAL = 2
 
 @dataclass(frozen=True)
 class DatabaseOptions:
-    synchronous: str = "full"  # SPEC 6: FULL survives power loss in WAL mode
+    # FULL survives power loss in WAL mode (docs/queue.md#the-promise).
+    synchronous: str = "full"
     busy_timeout: float = 5.0
+
+
+class Failure(enum.Enum):
+    """What a driver error means for the caller, whatever the backend."""
+
+    LOCKED = "locked"  # another writer held the lock past busy_timeout: try again
+    DISK_FULL = "disk_full"
+    READ_ONLY = "read_only"
+    CONNECTION_LOST = "connection_lost"  # I/O error, file gone or unreadable
+    OTHER = "other"
+
+
+#: SQLite primary result codes (https://sqlite.org/rescode.html); extended
+#: codes carry the primary one in their low byte.
+_FAILURES = {
+    sqlite3.SQLITE_BUSY: Failure.LOCKED,
+    sqlite3.SQLITE_LOCKED: Failure.LOCKED,
+    sqlite3.SQLITE_FULL: Failure.DISK_FULL,
+    sqlite3.SQLITE_READONLY: Failure.READ_ONLY,
+    sqlite3.SQLITE_IOERR: Failure.CONNECTION_LOST,
+    sqlite3.SQLITE_CANTOPEN: Failure.CONNECTION_LOST,
+    sqlite3.SQLITE_NOTADB: Failure.CONNECTION_LOST,
+    sqlite3.SQLITE_CORRUPT: Failure.CONNECTION_LOST,
+}
+
+
+class SqliteDialect:
+    """What is SQLite-specific about running the queue (see the module docstring)."""
+
+    name = SQLITE
+    #: The exception every driver call may raise.
+    Error = sqlite3.Error
+    #: Result rows readable by column name (agent/storage/rows.py builds dataclasses of them).
+    row_factory = sqlite3.Row
+
+    # -- transactions ----------------------------------------------------------
+
+    def begin_write(self, conn: sqlite3.Connection) -> None:
+        """Take the write lock at once: no deadlock between two upgrading readers."""
+        conn.execute("BEGIN IMMEDIATE")
+
+    def commit(self, conn: sqlite3.Connection) -> None:
+        conn.execute("COMMIT")
+
+    def rollback(self, conn: sqlite3.Connection) -> None:
+        """Roll back if a transaction is open; never raises (some I/O errors end it already)."""
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+    def savepoint(self, conn: sqlite3.Connection, name: str) -> None:
+        conn.execute(f"SAVEPOINT {name}")
+
+    def release(self, conn: sqlite3.Connection, name: str) -> None:
+        conn.execute(f"RELEASE {name}")
+
+    def rollback_to(self, conn: sqlite3.Connection, name: str) -> None:
+        """Undo a savepoint's work and drop it; never raises."""
+        try:
+            conn.execute(f"ROLLBACK TO {name}")
+            conn.execute(f"RELEASE {name}")
+        except sqlite3.Error:
+            pass
+
+    @contextmanager
+    def write_transaction(self, conn: sqlite3.Connection) -> Iterator[None]:
+        """One write transaction: begin, commit, or roll back on any exception.
+
+        Driver errors come out as they are; the caller classifies them.
+        """
+        self.begin_write(conn)
+        try:
+            yield
+        except BaseException:
+            self.rollback(conn)
+            raise
+        try:
+            self.commit(conn)
+        except BaseException:
+            self.rollback(conn)
+            raise
+
+    @contextmanager
+    def nested(self, conn: sqlite3.Connection, name: str) -> Iterator[None]:
+        """A savepoint: all of the block or none of it, inside the caller's transaction."""
+        self.savepoint(conn, name)
+        try:
+            yield
+        except BaseException:
+            self.rollback_to(conn, name)
+            raise
+        self.release(conn, name)
+
+    def read_only(self, conn: sqlite3.Connection) -> None:
+        """Make ``conn`` refuse every write, even one a bug would issue."""
+        conn.execute("PRAGMA query_only = 1")
+
+    # -- clock, values, errors -------------------------------------------------
+
+    def lease_now(self, conn: sqlite3.Connection, clock: Callable[[], float]) -> float:
+        """The time lease expiry is measured on: this host's clock (one host shares the file)."""
+        return clock()
+
+    def blob(self, value: bytes | memoryview) -> bytes:
+        """A BLOB column as bytes."""
+        return bytes(value)
+
+    def classify(self, exc: BaseException) -> Failure:
+        """What a driver error means, by its result code (never by its text)."""
+        code = getattr(exc, "sqlite_errorcode", None)
+        if not isinstance(code, int):
+            return Failure.OTHER
+        return _FAILURES.get(code & 0xFF, Failure.OTHER)
+
+    def is_locked(self, exc: BaseException) -> bool:
+        return self.classify(exc) is Failure.LOCKED
+
+    def storage_error(self, exc: BaseException, prefix: str = "") -> StorageError:
+        """The agent's exception for a driver error: DatabaseLocked when it was the lock."""
+        if self.is_locked(exc):
+            return DatabaseLocked(f"database is locked: {exc}")
+        return StorageError(f"{prefix}{exc}")
+
+    # -- connections -----------------------------------------------------------
+
+    def connect(self, db_path: Path, options: DatabaseOptions, *, create: bool) -> sqlite3.Connection:
+        return connect(db_path, options, create=create)
 
 
 def _apply_pragmas(conn: sqlite3.Connection, options: DatabaseOptions) -> None:
@@ -81,9 +201,9 @@ def _apply_pragmas(conn: sqlite3.Connection, options: DatabaseOptions) -> None:
     if conn.execute("PRAGMA page_count").fetchone()[0] == 0:
         # Only a brand-new, empty file can get it (else it takes a VACUUM):
         # purged rows' pages can then be handed back to the filesystem
-        # (store.release_free_pages). Older files keep auto_vacuum = NONE
-        # and reuse their free pages; docs/operations.md says how to convert
-        # one offline.
+        # (maintenance.release_free_pages). Older files keep auto_vacuum =
+        # NONE and reuse their free pages; docs/operations.md says how to
+        # convert one offline.
         conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
     mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
     if str(mode).lower() != "wal":
@@ -119,7 +239,8 @@ def _prepare_files(db_path: Path) -> None:
 def connect(db_path: Path, options: DatabaseOptions, *, create: bool) -> sqlite3.Connection:
     """A connection in autocommit mode (explicit BEGIN IMMEDIATE by callers).
 
-    ``create=False`` never creates a file: read-only commands use it (SPEC 2).
+    ``create=False`` never creates a file: read-only commands use it
+    (docs/operations.md: a command that only reads never creates a database).
     """
     if create:
         _prepare_files(db_path)
@@ -143,24 +264,23 @@ def connect(db_path: Path, options: DatabaseOptions, *, create: bool) -> sqlite3
     return conn
 
 
-def _meta(conn: sqlite3.Connection) -> dict[str, str]:
-    has_meta = conn.execute(
-        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
-    ).fetchone()
-    if not has_meta:
+def read_meta(conn: sqlite3.Connection, queries: dict[str, str] | None = None) -> dict[str, str]:
+    """The ``meta`` table as a dict; empty when the file has none (not a queue database)."""
+    q = queries if queries is not None else load_queries()
+    if not conn.execute(q["meta_table_exists"]).fetchone():
         return {}
-    return {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta")}
+    return {str(k): str(v) for k, v in conn.execute(q["meta_all"])}
 
 
 def migrate(conn: sqlite3.Connection, agent_id: str, now: float) -> int:
     """Bring the file up to SCHEMA_VERSION and check it belongs to ``agent_id``.
 
-    Runs in one BEGIN IMMEDIATE so two processes starting together (upgrade
+    Runs in one write transaction so two processes starting together (upgrade
     overlap) cannot both migrate. Returns the file's schema version.
     """
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        meta = _meta(conn)
+    q = load_queries()
+    with SqliteDialect().write_transaction(conn):
+        meta = read_meta(conn, q)
         version = int(meta.get("schema_version", "0"))
         min_compatible = int(meta.get("min_compatible_version", "0"))
         if min_compatible > SCHEMA_VERSION:
@@ -180,31 +300,17 @@ def migrate(conn: sqlite3.Connection, agent_id: str, now: float) -> int:
                     conn.execute(statement)
                 version = number
         if version > int(meta.get("schema_version", "0")):
-            conn.execute(
-                "INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
-                "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                (str(version),),
-            )
-            conn.execute(
-                "INSERT INTO meta (key, value) VALUES ('min_compatible_version', ?) "
-                "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                (str(max(min_compatible, MIN_COMPATIBLE_VERSION)),),
-            )
+            conn.execute(q["meta_upsert"], {"key": "schema_version", "value": str(version)})
+            conn.execute(q["meta_upsert"], {"key": "min_compatible_version",
+                                            "value": str(max(min_compatible, MIN_COMPATIBLE_VERSION))})
         if owner is None:
-            conn.execute("INSERT INTO meta (key, value) VALUES ('agent_id', ?)", (agent_id,))
-            conn.execute("INSERT INTO meta (key, value) VALUES ('created_at', ?)", (repr(now),))
+            conn.execute(q["meta_insert"], {"key": "agent_id", "value": agent_id})
+            conn.execute(q["meta_insert"], {"key": "created_at", "value": repr(now)})
         if "queue_id" not in meta:
             # The queue's identity for the server's lease-epoch fence: made once,
             # never changed. A new meta key only, so an older agent keeps working
             # on the file; a file made by one gets its id on first open by us.
-            conn.execute(
-                "INSERT INTO meta (key, value) VALUES ('queue_id', ?) ON CONFLICT (key) DO NOTHING",
-                (str(uuid.uuid4()),),
-            )
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
+            conn.execute(q["meta_insert_if_absent"], {"key": "queue_id", "value": str(uuid.uuid4())})
     return version
 
 
@@ -245,7 +351,11 @@ def open_database(
 def open_existing(db_path: Path, options: DatabaseOptions) -> sqlite3.Connection:
     """A connection for operator commands: never creates, refuses a too-new schema."""
     conn = connect(db_path, options, create=False)
-    meta = _meta(conn)
+    try:
+        meta = read_meta(conn)
+    except BaseException:
+        conn.close()
+        raise
     if not meta:
         conn.close()
         raise StorageError(f"{db_path} is not an hl7-agent queue database")
@@ -256,3 +366,13 @@ def open_existing(db_path: Path, options: DatabaseOptions) -> sqlite3.Connection
             f"(schema {meta.get('schema_version')})"
         )
     return conn
+
+
+def check_owner(conn: sqlite3.Connection, db_path: Path, agent_id: str) -> None:
+    """Refuse to change a queue another ``agent.id`` owns (two agents never share a queue)."""
+    owner = read_meta(conn).get("agent_id")
+    if owner is not None and owner != agent_id:
+        raise IncompatibleDatabase(
+            f"the queue database at {db_path} belongs to agent.id {owner!r}, "
+            f"not {agent_id!r}: check --config"
+        )

@@ -1,11 +1,11 @@
 """One writer thread, group commit; one reader thread for polling and stats.
 
 SQLite is synchronous and allows one writer at a time. The event loop never
-waits on it: callers ``await writer.run(fn)``; the thread takes every job
-waiting, runs them in one ``BEGIN IMMEDIATE`` (each in its own SAVEPOINT so a
-failing job does not sink the batch) and resolves the futures only after
-``COMMIT`` returned — so an accept ACK can never precede its commit
-(SPEC section 4). If COMMIT fails, every job of the batch fails.
+waits on it: callers ``await writer.call(SqliteStore.method, …)``; the thread
+takes every job waiting, runs them in one write transaction (each in its own
+SAVEPOINT so a failing job does not sink the batch) and resolves the futures
+only after ``COMMIT`` returned — so an accept ACK can never precede its commit
+(docs/queue.md#the-promise). If COMMIT fails, every job of the batch fails.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import queue
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import structlog
 
-from agent.errors import AgentError, DatabaseLocked, StorageError
+from agent.errors import AgentError, StorageError
 from agent.storage.store import SqliteStore
 
 T = TypeVar("T")
@@ -39,11 +38,17 @@ class _Job:
 _STOP = object()
 
 
-def _as_storage_error(exc: sqlite3.Error) -> StorageError:
-    text = str(exc)
-    if "locked" in text or "busy" in text:
-        return DatabaseLocked(f"database is locked: {text}")
-    return StorageError(text)
+def _bind(
+    method: Callable[Concatenate[SqliteStore, P], T], *args: P.args, **kwargs: P.kwargs
+) -> Callable[[SqliteStore], T]:
+    """``method`` with its arguments, waiting for the store as its first one."""
+    if not args and not kwargs:
+        return method  # no more parameters: it takes the store only
+
+    def job(store: SqliteStore) -> T:
+        return method(store, *args, **kwargs)
+
+    return job
 
 
 class Writer:
@@ -68,16 +73,20 @@ class Writer:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, fn: Callable[[SqliteStore], T]) -> concurrent.futures.Future[T]:
-        """Thread-safe: queue ``fn`` for the next batch."""
+    def submit(
+        self, method: Callable[Concatenate[SqliteStore, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[T]:
+        """Thread-safe: queue ``method(store, *args)`` for the next batch (``submit(SqliteStore.probe_write)``)."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         if self._closed:
             future.set_exception(StorageError("the queue writer is closed"))
             return future
-        self._jobs.put(_Job(fn, future))
+        self._jobs.put(_Job(_bind(method, *args, **kwargs), future))
         return future
 
-    def defer(self, fn: Callable[[SqliteStore], object]) -> None:
+    def defer(
+        self, method: Callable[Concatenate[SqliteStore, P], object], *args: P.args, **kwargs: P.kwargs
+    ) -> None:
         """Thread-safe: run ``fn`` with the next batch, without causing a commit of its own.
 
         For bookkeeping that may be lost in a crash (``ack_outcome``): it rides
@@ -88,7 +97,7 @@ class Writer:
         if self._closed:
             return
         with self._deferred_lock:
-            self._deferred.append(_Job(fn, concurrent.futures.Future()))
+            self._deferred.append(_Job(_bind(method, *args, **kwargs), concurrent.futures.Future()))
 
     def _take_deferred(self) -> list[_Job]:
         with self._deferred_lock:
@@ -100,12 +109,12 @@ class Writer:
     ) -> T:
         """Run one store method in the next committed batch: ``await writer.call(SqliteStore.claim, …)``.
 
-        The form to use in new code: a reader can grep for the store method it runs.
+        The form to use: a reader can grep for the store method it runs.
         """
-        return await self.run(lambda store: method(store, *args, **kwargs))
+        return await asyncio.wrap_future(self.submit(method, *args, **kwargs))
 
     async def run(self, fn: Callable[[SqliteStore], T]) -> T:
-        """Run ``fn(store)`` in the next committed batch and return its result."""
+        """Run ``fn(store)`` in the next committed batch; prefer :meth:`call` (it names the method)."""
         return await asyncio.wrap_future(self.submit(fn))
 
     def close(self, timeout: float = 10.0) -> None:
@@ -116,10 +125,7 @@ class Writer:
         self._jobs.put(_STOP)
         if self._thread.is_alive():
             self._thread.join(timeout)
-        try:
-            self.store.conn.close()
-        except sqlite3.Error:
-            pass
+        self.store.close()
 
     # -- the thread ----------------------------------------------------------
 
@@ -159,11 +165,12 @@ class Writer:
             self._resolve_pending(jobs, StorageError(f"queue writer failed: {exc!r}"))
 
     def _run_batch(self, batch: list[_Job]) -> None:
-        conn = self.store.conn
+        store = self.store
+        conn, dialect = store.conn, store.dialect
         try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
-            self._fail_all(batch, _as_storage_error(exc))
+            dialect.begin_write(conn)
+        except dialect.Error as exc:
+            self._fail_all(batch, dialect.storage_error(exc))
             return
         # Intake measures free disk space once per batch, not on a timer: a
         # burst cannot outrun the check and eat the reserve dispatch needs.
@@ -173,18 +180,14 @@ class Writer:
         for index, job in enumerate(batch):
             savepoint = f"job{index}"
             try:
-                conn.execute(f"SAVEPOINT {savepoint}")
-                result = job.fn(self.store)
-                conn.execute(f"RELEASE {savepoint}")
+                dialect.savepoint(conn, savepoint)
+                result = job.fn(store)
+                dialect.release(conn, savepoint)
                 outcomes.append((True, result))
             except Exception as exc:  # noqa: BLE001 - every job error is reported to its caller
-                try:
-                    conn.execute(f"ROLLBACK TO {savepoint}")
-                    conn.execute(f"RELEASE {savepoint}")
-                except sqlite3.Error:
-                    pass
-                if isinstance(exc, sqlite3.Error):
-                    exc = _as_storage_error(exc)
+                dialect.rollback_to(conn, savepoint)
+                if isinstance(exc, dialect.Error):
+                    exc = dialect.storage_error(exc)
                 outcomes.append((False, exc))
                 if isinstance(exc, StorageError) and not conn.in_transaction:
                     # SQLite rolled the whole transaction back (e.g. disk I/O
@@ -192,13 +195,10 @@ class Writer:
                     self._fail_all(batch, exc)
                     return
         try:
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            try:
-                conn.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
-            self._fail_all(batch, _as_storage_error(exc))
+            dialect.commit(conn)
+        except dialect.Error as exc:
+            dialect.rollback(conn)
+            self._fail_all(batch, dialect.storage_error(exc))
             return
         self.batches += 1
         if conn.total_changes != changes:
@@ -234,21 +234,32 @@ class Reader:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="queue-reader")
         self._lock = threading.Lock()
 
-    def call(self, fn: Callable[[SqliteStore], T]) -> T:
-        """Blocking read from any thread (admin server, CLI)."""
+    def call_blocking(
+        self, method: Callable[Concatenate[SqliteStore, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """Read from any thread, blocking it (the admin server's thread, the CLI)."""
+        store = self.store
         with self._lock:
             try:
-                return fn(self.store)
-            except sqlite3.Error as exc:
-                raise _as_storage_error(exc) from exc
+                return method(store, *args, **kwargs)
+            except store.dialect.Error as exc:
+                raise store.dialect.storage_error(exc) from exc
+
+    async def call(
+        self, method: Callable[Concatenate[SqliteStore, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """Run one store read on the reader thread: ``await reader.call(SqliteStore.channel_head, name)``."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._blocking, _bind(method, *args, **kwargs))
 
     async def run(self, fn: Callable[[SqliteStore], T]) -> T:
+        """Run ``fn(store)`` on the reader thread; prefer :meth:`call` (it names the method)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.call, fn)
+        return await loop.run_in_executor(self._pool, self._blocking, fn)
+
+    def _blocking(self, fn: Callable[[SqliteStore], T]) -> T:
+        return self.call_blocking(fn)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        try:
-            self.store.conn.close()
-        except sqlite3.Error:
-            pass
+        self.store.close()

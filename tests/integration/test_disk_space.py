@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.storage import maintenance
 from agent.storage import sqlite as db
 from agent.storage.store import IntakeItem, SqliteStore
 
@@ -85,7 +86,7 @@ def test_an_old_file_is_left_as_it_is_and_still_works(tmp_path: Path) -> None:
         assert pragma(store, "auto_vacuum") == db.AUTO_VACUUM_NONE
         with store.transaction() as s:
             assert s.intake(item("OLD1", 100)).outcome == "accepted"
-            assert s.release_free_pages() == 0
+            assert maintenance.release_free_pages(s) == 0
     finally:
         store.conn.close()
 
@@ -121,15 +122,15 @@ def test_purged_rows_go_back_to_the_filesystem(small_fs: Path) -> None:
             for n in range(80):
                 s.intake(item(f"P{n}", 100_000))
             s.conn.execute("UPDATE messages SET state = 'processed'")
-        store.checkpoint("TRUNCATE")
+        maintenance.checkpoint(store, "TRUNCATE")
         full = free_bytes(small_fs)
         with store.transaction() as s:
-            assert s.make_room(0.0) == 0  # no limit crossed: nothing is purged for room
+            assert maintenance.make_room(s, 0.0) == 0  # no limit crossed: nothing is purged for room
             s.conn.execute("DELETE FROM messages")
         with store.transaction() as s:
-            released = s.release_free_pages(limit=100_000)
+            released = maintenance.release_free_pages(s, limit=100_000)
         assert released >= 1500  # ~8 MB of bodies in 4 KiB pages
-        assert store.checkpoint("TRUNCATE") == (0, 0, 0)
+        assert maintenance.checkpoint(store, "TRUNCATE") == (0, 0, 0)
         assert path.with_name("queue.db-wal").stat().st_size == 0
         assert free_bytes(small_fs) - full >= 7 * MiB
     finally:

@@ -123,6 +123,23 @@ class TestStdlibQueueNotShadowed:
         assert str(installed.venv) in proc.stdout, proc.stdout
 
 
+class TestInstalledSql:
+    def test_installed_package_has_every_query_and_migration(self, installed: Installed, tmp_path: Path) -> None:
+        """The non-editable install ships queue/sqlite/ whole: the same named queries and migrations as the tree."""
+        script = ("import json; from agent.storage import sql; "
+                  "print(json.dumps([sorted(sql.load_queries()), [n for n, _ in sql.load_migrations()], "
+                  "sql.__file__]))")
+        proc = subprocess.run([installed.python, "-c", script], cwd=tmp_path, env=clean_env(),
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 0, proc.stderr
+        queries, migrations, module = json.loads(proc.stdout)
+        assert str(installed.venv) in module  # the installed copy, not the source tree
+        from agent.storage import sql
+
+        assert queries == sorted(sql.load_queries())
+        assert migrations == [n for n, _ in sql.load_migrations()] and migrations
+
+
 class TestInstalledCommands:
     def test_install_time_is_reported(self, installed: Installed) -> None:
         """The README set-up (venv + pip install .) finishes well within the CI budget."""

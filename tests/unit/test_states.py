@@ -1,4 +1,4 @@
-"""The frozen state set and its transition table, against the schema and the SQL that moves rows (SPEC 6)."""
+"""The frozen state set and its event table, against the schema and the SQL that moves rows (docs/queue.md#transitions)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from agent.core import states
+from agent.core.states import Event
 from agent.storage import sqlite as db
+from agent.storage.store_base import GROUP_QUERIES, TRANSITION_QUERIES
 
 
 def schema_sql() -> str:
@@ -23,24 +25,33 @@ def check_list(column: str) -> set[str]:
     return set(re.findall(r"'([a-z_]+)'", match.group(1)))
 
 
+def without_comments(raw: str) -> str:
+    return "\n".join(line for line in raw.splitlines() if not line.lstrip().startswith("--"))
+
+
+def guarded_states(sql: str) -> set[str]:
+    """The state literals of a query's ``WHERE`` (``state = 'x'``, ``state IN ('x', …)``)."""
+    if "WHERE" not in sql:
+        return set()
+    where = sql[sql.index("WHERE"):]
+    found: set[str] = set(re.findall(r"\bstate = '([a-z]+)'", where))
+    for listed in re.findall(r"\bstate IN \(([^)]*)\)", where):
+        found.update(re.findall(r"'([a-z]+)'", listed))
+    return found
+
+
 def state_updates() -> dict[str, tuple[set[str], set[str]]]:
     """Named queries that set ``state``: name -> (target states, guarded source states)."""
     found: dict[str, tuple[set[str], set[str]]] = {}
     for name, raw in db.load_queries().items():
-        sql = "\n".join(line for line in raw.splitlines() if not line.lstrip().startswith("--"))
+        sql = without_comments(raw)
         if not re.match(r"\s*UPDATE messages\b", sql):
             continue
         target = re.search(r"SET state = (?:'([a-z]+)'|:state)", sql)
         if target is None:
             continue
         targets = {target.group(1)} if target.group(1) else set()
-        where = sql[sql.index("WHERE"):]
-        sources: set[str] = set()
-        for single in re.findall(r"\bstate = '([a-z]+)'", where):
-            sources.add(single)
-        for listed in re.findall(r"\bstate IN \(([^)]*)\)", where):
-            sources.update(re.findall(r"'([a-z]+)'", listed))
-        found[name] = (targets, sources)
+        found[name] = (targets, guarded_states(sql))
     return found
 
 
@@ -146,5 +157,64 @@ class TestSqlFollowsTheTable:
     def test_operator_redrive_queries_are_seen(self) -> None:
         """Both operator re-drive queries are checked too (comments before the UPDATE are skipped)."""
         updates = state_updates()
-        for name in ("op_redrive_one", "op_redrive_batch", "claim", "mark_inflight", "requeue", "recover_claimed"):
+        for name in ("op_redrive_one", "op_redrive_batch", "claim", "send", "resend", "requeue",
+                     "recover_claimed"):
             assert name in updates, name
+
+
+class TestEachQueryIsItsEvent:
+    """Every transition query is named after its event, and its guard is the event's sources."""
+
+    def test_every_state_changing_query_names_its_event(self) -> None:
+        """No UPDATE that sets a state exists without an entry in TRANSITION_QUERIES."""
+        assert set(state_updates()) == set(TRANSITION_QUERIES)
+
+    @pytest.mark.parametrize("name", sorted(TRANSITION_QUERIES))
+    def test_guard_equals_the_events_sources(self, name: str) -> None:
+        """The query's WHERE … state guard names exactly the states its event moves rows from."""
+        _targets, sources = state_updates()[name]
+        assert sources == TRANSITION_QUERIES[name].sources
+
+    @pytest.mark.parametrize("name", sorted(TRANSITION_QUERIES))
+    def test_target_is_one_of_the_events(self, name: str) -> None:
+        """A literal SET state is among the event's targets; a :state parameter is checked by the store."""
+        targets, _sources = state_updates()[name]
+        assert targets <= TRANSITION_QUERIES[name].targets
+        if not targets:  # settle and fail_live: the store refuses any state outside the event's targets
+            assert name in ("settle", "fail_live")
+
+    def test_every_event_that_moves_a_row_has_its_query(self) -> None:
+        """Each event with sources is implemented by a query (setting rows aside has no command yet)."""
+        moving = {e for e in Event if e.sources}
+        assert set(TRANSITION_QUERIES.values()) == moving - {Event.SET_ASIDE}
+
+    def test_the_store_refuses_a_query_under_another_event(self) -> None:
+        """A transition run under the wrong event is our bug, caught before any SQL runs."""
+        from agent.storage.store_base import StoreBase
+
+        assert StoreBase._query_for(Event.CLAIM, "claim") == "claim"
+        with pytest.raises(AssertionError, match="does not implement"):
+            StoreBase._query_for(Event.SETTLE, "claim")
+
+
+class TestStateGroupsInSql:
+    """Queries that filter on several states use exactly a group of agent.core.states."""
+
+    def test_every_state_filter_is_a_named_group(self) -> None:
+        """Outside the transitions, each query with state literals in its WHERE is listed with its group."""
+        filtering = {
+            name for name, raw in db.load_queries().items()
+            if name not in TRANSITION_QUERIES and guarded_states(without_comments(raw))
+        }
+        assert filtering == set(GROUP_QUERIES)
+
+    @pytest.mark.parametrize("name", sorted(GROUP_QUERIES))
+    def test_filter_equals_its_group(self, name: str) -> None:
+        """The query's state IN (…) is the group, state for state."""
+        assert guarded_states(without_comments(db.load_queries()[name])) == GROUP_QUERIES[name]
+
+    def test_live_head_index_covers_the_live_group(self) -> None:
+        """The partial index the channel head uses is on exactly the live states (else it goes unused)."""
+        index = re.search(r"CREATE INDEX messages_live_head .*?;", schema_sql(), re.DOTALL)
+        assert index is not None
+        assert guarded_states(index.group(0)) == states.LIVE

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from agent.errors import IncompatibleDatabase
+from agent.storage import maintenance
 from agent.storage import sqlite as db
 from agent.storage.store import AuditItem, IntakeItem, IntakeResult, SqliteStore
 from agent.storage.writer import Writer
@@ -203,18 +204,18 @@ class TestDedupe:
         with store.transaction() as s:
             s.conn.execute("UPDATE messages SET state = 'processed', updated_at = ? WHERE id = ?",
                            (clock(), first.message_id))
-            assert s.enforce_size_cap() == 0  # no cap configured: nothing purged this way
+            assert maintenance.enforce_size_cap(s) == 0  # no cap configured: nothing purged this way
             s.conn.execute("DELETE FROM messages WHERE id = ?", (first.message_id,))  # operator purge
         clock.now += 6 * DAY
         with store.transaction() as s:
-            s.purge_retention(clock())
+            maintenance.purge_retention(s, clock())
         replay = intake(store, item("P1"))
         assert (replay.outcome, replay.message_id, replay.commit_ack) == ("duplicate", first.message_id,
                                                                           b"ACK-FOR-P1")
         assert rows(store) == []
         clock.now += 1.5 * DAY  # past the 7-day window
         with store.transaction() as s:
-            s.purge_retention(clock())
+            maintenance.purge_retention(s, clock())
         assert store.conn.execute("SELECT count(*) FROM dedupe_keys").fetchone() == (0,)
         fresh = intake(store, item("P1"))
         assert fresh.outcome == "accepted"

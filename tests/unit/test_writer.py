@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,7 @@ from agenttest import wait_for
 
 from agent.storage import sqlite as db
 from agent.storage.store import SqliteStore
-from agent.storage.writer import Writer
+from agent.storage.writer import Reader, Writer
 
 
 @pytest.fixture
@@ -70,3 +71,31 @@ class TestDeferredJobs:
             assert check.execute("SELECT value FROM meta WHERE key = 'at_close'").fetchone() == ("1",)
         finally:
             check.close()
+
+
+class TestCallsByMethod:
+    """``writer.call(SqliteStore.method, …)`` and ``reader.call(…)``: the store method named at the call."""
+
+    def test_writer_call_runs_the_method_with_its_arguments_and_commits(self, writer: Writer) -> None:
+        """The method gets the store first, then the arguments; its effect is committed when the call returns."""
+        before = writer.batches
+        asyncio.run(writer.call(SqliteStore.pause_channel, "adt", "test"))
+        assert writer.batches == before + 1
+        assert writer.submit(SqliteStore.paused_channels).result(5) == {"adt"}
+
+    def test_defer_takes_a_method_and_arguments(self, writer: Writer) -> None:
+        """A deferred method with arguments rides with the next submitted job."""
+        writer.defer(SqliteStore.pause_channel, "lab", "deferred")
+        assert writer.submit(SqliteStore.paused_channels).result(5) == {"lab"}
+
+    def test_reader_call_and_call_blocking(self, writer: Writer) -> None:
+        """The reader answers the same method on its own connection, awaited or blocking."""
+        writer.submit(SqliteStore.pause_channel, "adt", "x").result(5)
+        path = writer.store.db_path
+        reader = Reader(SqliteStore(db.connect(path, db.DatabaseOptions(), create=False), db.load_queries(),
+                                    db_path=path))
+        try:
+            assert asyncio.run(reader.call(SqliteStore.paused_channels)) == {"adt"}
+            assert reader.call_blocking(SqliteStore.stats, ["adt"])["channels"]["adt"]["paused"] is True
+        finally:
+            reader.close()

@@ -1,4 +1,4 @@
--- Schema v1 of the hl7-agent queue (SPEC section 6).
+-- Schema v1 of the hl7-agent queue (docs/queue.md#row-states).
 --
 -- Rules for every later migration: additive only (new tables, new nullable
 -- columns, new indexes), explicit column lists in every query, so the previous
@@ -70,7 +70,7 @@ CREATE TABLE channels (
 ) STRICT;
 
 -- Dedupe keys outlive their rows: purging messages never forgets a key
--- before dedupe_window (SPEC section 6).
+-- before dedupe_window (docs/queue.md#dedupe).
 CREATE TABLE dedupe_keys (
     channel          TEXT NOT NULL,
     sending_app      TEXT NOT NULL,

@@ -1,7 +1,8 @@
--- Named queries of the hl7-agent queue. Each block starts with "-- name: x".
+-- Named queries of the hl7-agent queue (SQLite). Each block starts with "-- name: x".
 -- Every state transition is a guarded UPDATE (WHERE id = ? AND state = ?)
--- whose row count the caller checks; every dispatch write is fenced on the
--- lease epoch (SPEC section 6).
+-- whose row count the caller checks, named after its event in
+-- agent/core/states.py (agent/storage/store_base.py: TRANSITION_QUERIES);
+-- every dispatch write is fenced on the lease epoch (docs/queue.md#fencing).
 
 -- name: dedupe_lookup
 SELECT body_sha256, message_id, ack_mode, commit_ack, app_ack
@@ -38,18 +39,15 @@ VALUES (:id, :channel, :seq, :state, :remote, :sending_app, :sending_facility, :
         :application_ack_type, :ack_sent, :ack_outcome, 0, 0,
         :error_code, :error_text, :now, :now)
 
--- name: replay_state
-SELECT state, ack_outcome, app_ack, server_status
-FROM messages WHERE id = :id
+-- name: dedupe_prior_row
+-- The original row of a duplicate (it may have been purged since).
+SELECT state, app_ack FROM messages WHERE id = :id
 
 -- name: set_ack_outcome
 -- Leaves updated_at alone: retention counts from the row's last state change,
 -- and this UPDATE then touches no index.
 UPDATE messages SET ack_outcome = :outcome
 WHERE id = :id AND ack_outcome <> :outcome
-
--- name: set_app_ack
-UPDATE messages SET app_ack = :app_ack, updated_at = :now WHERE id = :id
 
 -- name: lease_row
 SELECT holder, holder_pid, holder_boot, holder_pidns, holder_start, epoch, expires_at
@@ -91,18 +89,24 @@ WHERE channel = :channel AND state IN ('queued', 'claimed', 'inflight')
 ORDER BY seq
 LIMIT 1
 
--- name: live_channels
-SELECT DISTINCT channel FROM messages WHERE state IN ('queued', 'claimed', 'inflight')
-
 -- name: claim
 UPDATE messages SET state = 'claimed', claim_epoch = :epoch, claimed_at = :now, updated_at = :now
 WHERE id = :id AND state = 'queued' AND next_attempt_at <= :now
   AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
 
--- name: mark_inflight
+-- name: send
+-- Committed before the frame is written: a claimed row goes out as attempt + 1.
 UPDATE messages SET state = 'inflight', attempts = attempts + 1, sent_at = :now,
                     claim_epoch = :epoch, updated_at = :now
-WHERE id = :id AND state IN (:from_state, 'claimed') AND attempts = :attempts
+WHERE id = :id AND state = 'claimed' AND attempts = :attempts
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
+RETURNING attempts
+
+-- name: resend
+-- An inflight row sent again (a replaying server dedupes on its id), attempt + 1.
+UPDATE messages SET state = 'inflight', attempts = attempts + 1, sent_at = :now,
+                    claim_epoch = :epoch, updated_at = :now
+WHERE id = :id AND state = 'inflight' AND attempts = :attempts
   AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
 RETURNING attempts
 
@@ -137,6 +141,9 @@ ON CONFLICT (channel) DO UPDATE SET paused = 0, paused_at = NULL, paused_reason 
 -- name: channel_flags
 SELECT channel, last_seq, paused, paused_at, paused_reason FROM channels ORDER BY channel
 
+-- name: paused_channels
+SELECT channel FROM channels WHERE paused = 1
+
 -- name: count_by_state
 SELECT state, count(*) AS n FROM messages GROUP BY state
 
@@ -160,13 +167,40 @@ DELETE FROM messages WHERE id IN (
     WHERE state IN ('processed', 'rejected', 'nacked')
     ORDER BY updated_at LIMIT :limit)
 
--- name: message_by_id
+-- name: row_by_id
 SELECT id, channel, seq, state, remote, sending_app, sending_facility, control_id, message_type,
        encoding, body, body_sha256, ack_mode, accept_ack_type, application_ack_type, ack_sent,
-       app_ack, ack_outcome, attempts, next_attempt_at, claim_epoch, server_status, server_ack,
-       error_code, error_text, received_at, claimed_at, sent_at, settled_at, updated_at
+       app_ack, ack_outcome, attempts, redrive_base, next_attempt_at, claim_epoch, server_status,
+       server_ack, error_code, error_text, received_at, claimed_at, sent_at, settled_at, updated_at
 FROM messages WHERE id = :id
+
+-- name: recent_failures
+SELECT id, channel, control_id, message_type, state, error_code, error_text, attempts, updated_at
+FROM messages WHERE state IN ('failed', 'rejected')
+ORDER BY updated_at DESC LIMIT :limit
+
+-- name: settled_app_acks
+-- The application-ACK relay's poll (docs/acks.md#relayed-application-acks):
+-- rows among :ids (a JSON array) whose application ACK is known.
+SELECT id, app_ack FROM messages
+WHERE id IN (SELECT value FROM json_each(:ids)) AND app_ack IS NOT NULL
 
 -- name: probe_write
 INSERT INTO meta (key, value) VALUES ('last_probe', :now)
 ON CONFLICT (key) DO UPDATE SET value = excluded.value
+
+-- name: meta_table_exists
+SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'
+
+-- name: meta_all
+SELECT key, value FROM meta
+
+-- name: meta_upsert
+INSERT INTO meta (key, value) VALUES (:key, :value)
+ON CONFLICT (key) DO UPDATE SET value = excluded.value
+
+-- name: meta_insert
+INSERT INTO meta (key, value) VALUES (:key, :value)
+
+-- name: meta_insert_if_absent
+INSERT INTO meta (key, value) VALUES (:key, :value) ON CONFLICT (key) DO NOTHING

@@ -1,15 +1,12 @@
 -- Named queries of the operator commands (`hl7-agent queue ...`, `channel ...`).
--- Each block starts with "-- name: x"; agent.db.load_queries() loads them with
--- queries.sql, so every name here starts with "op_" and is defined once.
+-- Each block starts with "-- name: x"; agent.storage.sql.load_queries() loads
+-- them with queries.sql, so every name here starts with "op_" and is defined once.
 --
 -- The daemon may be running while these run: every write is one short
 -- statement inside its own BEGIN IMMEDIATE, bounded by a LIMIT, and guarded
--- on the row's state in the statement itself (SPEC 6: live rows are never
--- touched by an operator command, whatever the caller passed).
+-- on the row's state in the statement itself (docs/queue.md#operator-actions:
+-- live rows are never touched by an operator command, whatever the caller passed).
 -- Timestamps are REAL Unix seconds (UTC).
-
--- name: op_meta
-SELECT key, value FROM meta
 
 -- name: op_settled_by_channel
 SELECT channel, state, count(*) AS n
@@ -30,11 +27,11 @@ LIMIT :limit
 -- name: op_ids_by_prefix
 SELECT id FROM messages WHERE id >= :prefix AND id < :prefix || '~' ORDER BY id LIMIT 2
 
--- name: op_row_state
+-- name: op_row_place
 SELECT state, channel, seq FROM messages WHERE id = :id
 
 -- name: op_redrive_one
--- Operator re-drive (SPEC 6): failed/rejected -> queued, same id, due now,
+-- Operator re-drive (docs/queue.md#operator-actions): failed/rejected -> queued, same id, due now,
 -- max_attempts counted afresh from here (redrive_base). error_code/error_text
 -- are kept as history until the next attempt overwrites them.
 UPDATE messages SET state = 'queued', next_attempt_at = 0, redrive_base = attempts,
@@ -55,7 +52,8 @@ RETURNING channel
 SELECT coalesce(max(rowid), 0) FROM messages
 
 -- name: op_select_state
-SELECT id, channel, seq, state, control_id, message_type, attempts, received_at, error_code
+SELECT id, channel, seq, state, control_id, message_type, attempts, received_at, error_code,
+       remote, updated_at, encoding, NULL AS body
 FROM messages
 WHERE state = :state AND (:channel IS NULL OR channel = :channel)
 ORDER BY channel, seq IS NULL, seq, received_at
@@ -70,7 +68,7 @@ WHERE state = :state AND updated_at < :cutoff AND (:channel IS NULL OR channel =
 
 -- name: op_purge_batch
 -- Terminal rows only, whatever :state says; dedupe_keys are left alone so a
--- purge never forgets a key before dedupe_window (SPEC 6).
+-- purge never forgets a key before dedupe_window (docs/queue.md#dedupe).
 DELETE FROM messages WHERE rowid IN (
     SELECT rowid FROM messages
     WHERE state = :state AND updated_at < :cutoff AND (:channel IS NULL OR channel = :channel)
@@ -84,10 +82,3 @@ ORDER BY channel, seq IS NULL, seq, received_at
 
 -- name: op_bodies
 SELECT id, body FROM messages WHERE id IN (SELECT value FROM json_each(:ids))
-
--- name: op_message
-SELECT id, channel, seq, state, remote, sending_app, sending_facility, control_id, message_type,
-       encoding, body, body_sha256, ack_mode, accept_ack_type, application_ack_type, ack_sent,
-       app_ack, ack_outcome, attempts, redrive_base, next_attempt_at, claim_epoch, server_status,
-       server_ack, error_code, error_text, received_at, claimed_at, sent_at, settled_at, updated_at
-FROM messages WHERE id = :id

@@ -1,0 +1,56 @@
+"""``hl7-agent channel pause|resume NAME``: the durable flag the dispatcher honours.
+
+A paused channel keeps taking messages (intake goes on) and sends none until
+it is resumed, across restarts (docs/operations.md, docs/queue.md#operator-actions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+
+from agent.app.cli import EXIT_FAILURE, EXIT_OK
+from agent.app.commands.common import command, err, open_store
+from agent.app.config import Settings
+from agent.core.states import State
+
+
+def _operator() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid {os.getuid()}"
+
+
+@command
+def cmd_channel(settings: Settings, args: argparse.Namespace) -> int:
+    """``channel pause|resume NAME``."""
+    name = args.name
+    configured = [c.name for c in settings.channels]
+    if name not in configured:
+        err(
+            f"no channel named {name!r} in the configuration (configured: {', '.join(configured) or 'none'})"
+        )
+        return EXIT_FAILURE
+    pause = args.channel_command == "pause"
+    with open_store(settings, write=True) as store:
+        with store.transaction():
+            was_paused = name in store.paused_channels()
+            if pause:
+                if not was_paused:
+                    store.pause_channel(name, f"operator ({_operator()})")
+            elif was_paused:
+                store.resume_channel(name)
+        live = store.stats([name])["channels"][name]
+    backlog = f"{live[State.QUEUED]} queued, {live[State.CLAIMED] + live[State.INFLIGHT]} in flight"
+    if pause:
+        already = "already " if was_paused else ""
+        print(
+            f"channel {name}: {already}paused; dispatch holds (intake goes on) until "
+            f"`hl7-agent channel resume {name}` [{backlog}]"
+        )
+    else:
+        already = "" if was_paused else "already "
+        print(f"channel {name}: {already}resumed; dispatch goes on [{backlog}]")
+    return EXIT_OK

@@ -1,0 +1,300 @@
+"""Keeping the queue file healthy: retention, room for intake, free pages, the WAL, statistics.
+
+The service's maintenance task calls these functions through the writer or
+the reader (``await writer.call(maintenance.reclaim, now)``); intake calls
+:func:`over_limits` for every message it is about to insert.
+
+Room for intake (docs/queue.md#backpressure): intake (messages and audit
+rows) may only use the disk down to ``min_free_disk_bytes``; everything below
+that floor is a reserve for the writes that free space or must never stop:
+claim, inflight, settle, lease, purges, vacuum, checkpoints. Free space is
+measured at the start of every commit batch (``Space.begin_batch``, not on a
+timer) and each intake of the batch is charged its estimated size against it,
+so a burst can overshoot the floor by at most one estimate's error.
+
+SQLite-specific throughout (PRAGMAs, the -wal file): another backend brings
+its own module with the same functions.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agent.errors import StorageError
+from agent.storage.sqlite import AUTO_VACUUM_INCREMENTAL, WAL_SIZE_LIMIT
+
+if TYPE_CHECKING:
+    from agent.storage.store_base import StoreBase
+
+__all__ = [
+    "FREE_PAGE_SLACK",
+    "Space",
+    "auto_vacuum",
+    "checkpoint",
+    "disk_tight",
+    "enforce_size_cap",
+    "free_pages",
+    "intake_cost",
+    "make_room",
+    "optimize",
+    "over_limits",
+    "pressure",
+    "purge_retention",
+    "reclaim",
+    "release_free_pages",
+    "room_problem",
+    "used_bytes",
+]
+
+#: Free pages a file keeps for its next rows rather than handing them back at
+#: once (4 MiB of 4 KiB pages): steady intake after a retention sweep reuses
+#: them instead of shrinking and regrowing the file. Under backpressure all go.
+FREE_PAGE_SLACK = 1024
+
+
+@dataclass
+class Space:
+    """A store's limits and what the current commit batch has measured and spent."""
+
+    max_db_bytes: int = 0
+    min_free_disk_bytes: int = 0
+    disk_free: int | None = None  # usable disk space at this batch's first intake
+    batch_cost: int = 0  # bytes the intakes of this batch may have added
+    page_size: int = 0
+    #: time.monotonic() of the last intake refused for room.
+    refused_at: float = field(default=float("-inf"))
+
+    def begin_batch(self) -> None:
+        """A commit batch starts: the next intake measures the disk afresh."""
+        self.disk_free = None
+        self.batch_cost = 0
+
+
+def _pragma(store: StoreBase, name: str) -> int:
+    return int(store.conn.execute(f"PRAGMA {name}").fetchone()[0])
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def wal_path(db_path: Path) -> Path:
+    return db_path.with_name(db_path.name + "-wal")
+
+
+# -- measuring -------------------------------------------------------------------
+
+
+def page_size(store: StoreBase) -> int:
+    space = store.space
+    if not space.page_size:
+        space.page_size = _pragma(store, "page_size")
+    return space.page_size
+
+
+def intake_cost(store: StoreBase, nbytes: int) -> int:
+    """Disk bytes one intake may take: its pages in the WAL and again in the file, plus the
+    index, counter and dedupe pages it touches (a deliberate over-estimate)."""
+    return 2 * nbytes + 12 * page_size(store)
+
+
+def free_pages(store: StoreBase) -> int:
+    """Pages inside the file that hold no data: new rows reuse them before the file grows."""
+    return _pragma(store, "freelist_count")
+
+
+def used_bytes(store: StoreBase) -> int:
+    """Database size without free pages (docs/queue.md#backpressure)."""
+    return (_pragma(store, "page_count") - free_pages(store)) * page_size(store)
+
+
+def free_disk_bytes(store: StoreBase) -> int:
+    st = os.statvfs(store.db_path.parent)
+    return int(st.f_bavail * st.f_frsize)
+
+
+def _usable_disk_bytes(store: StoreBase) -> int:
+    """Free disk space minus what is already promised: the WAL regrows to its
+    regular size (WAL_SIZE_LIMIT) after every truncation, and pages that so
+    far live only in the WAL extend the file when they are checkpointed."""
+    wal = _file_size(wal_path(store.db_path))
+    logical = _pragma(store, "page_count") * page_size(store)
+    pending = max(0, logical - _file_size(store.db_path))
+    return free_disk_bytes(store) - max(0, WAL_SIZE_LIMIT - wal) - pending
+
+
+def room_problem(store: StoreBase, cost: int) -> tuple[str, bool] | None:
+    """Why ``cost`` more intake bytes do not fit now, and whether purging rows would help."""
+    space = store.space
+    if space.max_db_bytes and used_bytes(store) + cost > space.max_db_bytes:
+        return "the queue database is at queue.max_db_bytes", True
+    floor = space.min_free_disk_bytes
+    if not floor:
+        return None
+    if space.disk_free is None:
+        space.disk_free = _usable_disk_bytes(store)
+    disk = space.disk_free - space.batch_cost - cost
+    # Half the floor always stays really free on the disk: the WAL that
+    # dispatch writes lives outside the file's free pages.
+    if disk < floor // 2:
+        return "free disk space is below queue.min_free_disk_bytes", False
+    # The file's own free pages count as room: new rows reuse them first
+    # (and a file with auto_vacuum hands them back to the filesystem).
+    if disk + free_pages(store) * page_size(store) < floor:
+        return "free disk space is below queue.min_free_disk_bytes", True
+    return None
+
+
+def over_limits(store: StoreBase, now: float, cost: int = 0) -> bool:
+    """Backpressure (docs/queue.md#backpressure): purge what the limits allow first, then refuse.
+
+    ``cost`` (see :func:`intake_cost`) is charged to this batch when it fits.
+    """
+    space = store.space
+    if not (space.max_db_bytes or space.min_free_disk_bytes):
+        return False
+    if room_problem(store, cost) is not None:
+        make_room(store, now, cost)
+        if room_problem(store, cost) is not None:
+            space.refused_at = time.monotonic()
+            return True
+    space.batch_cost += cost
+    return False
+
+
+def pressure(store: StoreBase) -> str | None:
+    """Why intake would refuse a message now (a fresh measurement), or None."""
+    store.space.begin_batch()
+    problem = room_problem(store, 0)
+    return problem[0] if problem else None
+
+
+def disk_tight(store: StoreBase) -> bool:
+    """The disk alone, without the file's free pages, is below the floor: give those back."""
+    floor = store.space.min_free_disk_bytes
+    return bool(floor and _usable_disk_bytes(store) < floor)
+
+
+def check_room(store: StoreBase) -> None:
+    """Raise StorageError when intake would refuse now, after purging what it may."""
+    if room_problem(store, 0) is not None:
+        make_room(store, store.clock())
+        problem = room_problem(store, 0)
+        if problem is not None:
+            raise StorageError(f"backpressure: {problem[0]}")
+
+
+# -- purging ---------------------------------------------------------------------
+
+
+def purge_retention(store: StoreBase, now: float, batch: int = 1000) -> int:
+    """Delete purgeable terminal rows older than ``retention`` and expired dedupe keys.
+
+    ``failed`` rows are never purged automatically: they are undelivered messages.
+    """
+    store.conn.execute(store.q["purge_expired_dedupe_keys"], {"now": now})
+    cur = store.conn.execute(
+        store.q["purge_terminal_older_than"], {"cutoff": now - store.retention, "limit": batch}
+    )
+    return int(cur.rowcount)
+
+
+def _purge_oldest(store: StoreBase, limit: int = 500) -> int:
+    """Size cap: the oldest purgeable terminal rows go first."""
+    return int(store.conn.execute(store.q["purge_oldest_terminal"], {"limit": limit}).rowcount)
+
+
+def make_room(store: StoreBase, now: float, cost: int = 0, max_steps: int = 20) -> int:
+    """Purge for room: what retention allows, then the oldest delivered rows first.
+
+    Only ``processed``, ``rejected`` and ``nacked`` rows go (never live or
+    ``failed`` ones), at most ``max_steps`` batches of 500 per call so one
+    intake never holds the write lock for long; the next call goes on.
+    """
+    purged = purge_retention(store, now)
+    for _ in range(max_steps):
+        problem = room_problem(store, cost)
+        if problem is None or not problem[1]:
+            break
+        step = _purge_oldest(store)
+        if step == 0:
+            break
+        purged += step
+    return purged
+
+
+def enforce_size_cap(store: StoreBase) -> int:
+    purged = 0
+    cap = store.space.max_db_bytes
+    while cap and used_bytes(store) >= cap:
+        step = _purge_oldest(store)
+        if step == 0:
+            break
+        purged += step
+    return purged
+
+
+def reclaim(store: StoreBase, now: float) -> int:
+    """The retention sweep: retention, room for intake, then the size cap. Rows purged."""
+    return make_room(store, now) + enforce_size_cap(store)
+
+
+# -- the file and the WAL ----------------------------------------------------------
+
+
+def auto_vacuum(store: StoreBase) -> int:
+    """The file's PRAGMA auto_vacuum (AUTO_VACUUM_NONE or AUTO_VACUUM_INCREMENTAL)."""
+    return _pragma(store, "auto_vacuum")
+
+
+def release_free_pages(store: StoreBase, keep: int = 0, limit: int = 2048) -> int:
+    """Hand free pages beyond ``keep`` back to the filesystem, at most ``limit`` per call.
+
+    Needs auto_vacuum = INCREMENTAL (files created since this version).
+    The file itself shrinks at the next complete checkpoint. Returns the
+    number of pages released.
+    """
+    if auto_vacuum(store) != AUTO_VACUUM_INCREMENTAL:
+        return 0
+    count = min(free_pages(store) - keep, limit)
+    if count <= 0:
+        return 0
+    before = free_pages(store)
+    # Python's sqlite3 steps a statement without result columns only
+    # once, and each step of incremental_vacuum releases one page.
+    for _ in range(count):
+        store.conn.execute("PRAGMA incremental_vacuum")
+    return before - free_pages(store)
+
+
+def checkpoint(store: StoreBase, mode: str, wait: float = 0.1) -> tuple[int, int, int]:
+    """``PRAGMA wal_checkpoint(mode)`` waiting at most ``wait`` s for locks: (busy, log, done).
+
+    TRUNCATE takes the write lock for a moment: run a PASSIVE one first
+    (it copies without blocking anybody) so little is left to copy while
+    the lock is held, and give up rather than queue behind a writer.
+    """
+    if mode not in ("PASSIVE", "TRUNCATE"):
+        raise ValueError(f"unknown checkpoint mode {mode!r}")
+    conn = store.conn
+    if mode == "TRUNCATE":
+        conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    previous = _pragma(store, "busy_timeout")
+    conn.execute(f"PRAGMA busy_timeout = {int(wait * 1000)}")
+    try:
+        row = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
+    finally:
+        conn.execute(f"PRAGMA busy_timeout = {previous}")
+    return int(row[0]), int(row[1]), int(row[2])
+
+
+def optimize(store: StoreBase) -> None:
+    """Refresh the planner's statistics, as long-lived connections should (SQLite's PRAGMA optimize)."""
+    store.conn.execute("PRAGMA optimize").fetchall()

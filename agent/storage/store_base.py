@@ -1,0 +1,149 @@
+"""What every part of the store shares: the connection, the named queries, the dialect.
+
+``SqliteStore`` (agent/storage/store.py) is this base plus three parts split
+by concern — intake, dispatch and lease, operator and stats. Their methods
+run *inside* a transaction their caller opened: the writer thread groups
+many into one commit; :meth:`StoreBase.transaction` is the one helper for
+single-shot callers (operator commands, tests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from agent.core.states import LIVE, PURGEABLE, REDRIVABLE, RETAINED, Event, State
+from agent.storage.maintenance import Space
+from agent.storage.rows import ResultRow, build
+from agent.storage.sqlite import SqliteDialect
+
+R = TypeVar("R")
+
+
+#: The named query that implements each row transition, by the event it is.
+#: tests/unit/test_states.py checks each one's ``WHERE … state`` guard equals
+#: the event's sources and its ``SET state`` is among the event's targets.
+TRANSITION_QUERIES: dict[str, Event] = {
+    "claim": Event.CLAIM,
+    "send": Event.SEND,
+    "resend": Event.RESEND,
+    "settle": Event.SETTLE,
+    "requeue": Event.RETRY,
+    "fail_live": Event.GIVE_UP,
+    "recover_claimed": Event.RECOVER,
+    "op_redrive_one": Event.REDRIVE,
+    "op_redrive_batch": Event.REDRIVE,
+}
+
+#: The named queries that select or delete rows by a group of states, by the
+#: group (agent/core/states.py); tests/unit/test_states.py checks the SQL's
+#: ``state IN (…)`` equals it, and that no other query filters on a state literal.
+GROUP_QUERIES: dict[str, frozenset[State]] = {
+    "channel_head": frozenset(LIVE),
+    "live_by_channel": frozenset(LIVE),
+    "recent_failures": frozenset(REDRIVABLE),
+    "purge_terminal_older_than": frozenset(RETAINED),
+    "purge_oldest_terminal": frozenset(RETAINED),
+    "op_settled_by_channel": frozenset(PURGEABLE),
+    "op_count_purgeable": frozenset(PURGEABLE),
+    "op_purge_batch": frozenset(PURGEABLE),
+}
+
+
+class StoreBase:
+    """The connection, its queries and dialect, and the helpers every query goes through."""
+
+    def __init__(
+        self,
+        conn: Any,  # noqa: ANN401 - the dialect's connection (sqlite3.Connection here)
+        queries: dict[str, str],
+        *,
+        db_path: Path,
+        dedupe_window: float = 7 * 86400,
+        retention: float = 30 * 86400,
+        max_db_bytes: int = 0,
+        min_free_disk_bytes: int = 0,
+        clock: Callable[[], float] = time.time,
+        dialect: SqliteDialect | None = None,
+    ) -> None:
+        self.conn = conn
+        self.q = queries
+        self.db_path = db_path
+        self.dedupe_window = dedupe_window
+        self.retention = retention
+        self.clock = clock
+        self.dialect = dialect if dialect is not None else SqliteDialect()
+        #: Intake's room below the disk floor and the size cap (agent/storage/maintenance.py).
+        self.space = Space(max_db_bytes=max_db_bytes, min_free_disk_bytes=min_free_disk_bytes)
+
+    # -- transactions -------------------------------------------------------
+
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        """One write transaction for single-shot callers; driver errors become StorageError.
+
+        Yields the store itself. ``DatabaseLocked`` when another process held
+        the write lock beyond ``busy_timeout``.
+        """
+        dialect = self.dialect
+        try:
+            with dialect.write_transaction(self.conn):
+                self.begin_batch()
+                yield self
+        except dialect.Error as exc:
+            raise dialect.storage_error(exc, "queue database error: ") from exc
+
+    def begin_batch(self) -> None:
+        """A commit batch starts (after BEGIN): the next intake measures the disk afresh."""
+        self.space.begin_batch()
+
+    def close(self) -> None:
+        """Close the connection; never raises."""
+        try:
+            self.conn.close()
+        except self.dialect.Error:
+            pass
+
+    # -- running named queries ------------------------------------------------
+
+    def _exec(self, name: str, **params: Any) -> Any:  # noqa: ANN401 - the driver's cursor
+        return self.conn.execute(self.q[name], params)
+
+    def _scalar(self, name: str, **params: Any) -> Any:  # noqa: ANN401 - one column of any type
+        """The first column of the first row, or None when there is no row."""
+        found = self.conn.execute(self.q[name], params).fetchone()
+        return None if found is None else found[0]
+
+    def _fetch_one(self, name: str, **params: Any) -> ResultRow | None:
+        cur = self.conn.cursor()
+        cur.row_factory = self.dialect.row_factory
+        found: ResultRow | None = cur.execute(self.q[name], params).fetchone()
+        return found
+
+    def _fetch_all(self, name: str, **params: Any) -> list[ResultRow]:
+        cur = self.conn.cursor()
+        cur.row_factory = self.dialect.row_factory
+        found: list[ResultRow] = cur.execute(self.q[name], params).fetchall()
+        return found
+
+    def _row(self, cls: type[R], name: str, **params: Any) -> R | None:
+        """One row of query ``name`` as ``cls``, built by column name."""
+        found = self._fetch_one(name, **params)
+        return None if found is None else build(cls, found)
+
+    def _rows(self, cls: type[R], name: str, **params: Any) -> list[R]:
+        return [build(cls, r) for r in self._fetch_all(name, **params)]
+
+    @staticmethod
+    def _query_for(event: Event, name: str) -> str:
+        """``name``, after checking it is the query that implements ``event``."""
+        if TRANSITION_QUERIES.get(name) is not event:
+            raise AssertionError(f"query {name} does not implement {event.name}")
+        return name
+
+    def _lease_now(self) -> float:
+        """The time the lease is measured on (the dialect's clock)."""
+        return self.dialect.lease_now(self.conn, self.clock)

@@ -1,0 +1,196 @@
+"""Reads for stats, the status page and the relay, and the operator's queries.
+
+The operator commands (``hl7-agent queue …``, ``channel …``) run on the same
+file as a running daemon: every write here is one short guarded statement
+over at most a batch of rows, inside a transaction the caller keeps short
+(``store.transaction()`` per batch). The guards are in the SQL
+(``queue/sqlite/operator.sql``) whatever the caller passed: a re-drive moves
+only ``failed``/``rejected`` rows, a purge deletes only terminal rows, and no
+operator query deletes a dedupe key (docs/queue.md#operator-actions).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agent.core.states import ALL, DEPTH, Event
+from agent.core.timefmt import rfc3339
+from agent.storage import maintenance
+from agent.storage.liveness import holder_provably_dead
+from agent.storage.rows import (
+    ListedRow,
+    LiveCount,
+    RecentFailure,
+    RedriveOutcome,
+    RowFilter,
+    RowPlace,
+    StateCount,
+    StoredRow,
+)
+from agent.storage.store_dispatch import DispatchQueries
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+class OperatorQueries(DispatchQueries):
+    """Stats, health, relay polling and the operator's reads and writes."""
+
+    # -- daemon-side reads -------------------------------------------------------
+
+    def stats(self, configured_channels: list[str] | None = None) -> dict[str, Any]:
+        """The ``queue stats --json`` object (docs/operations.md; docs/queue-stats.schema.json)."""
+        now = self.clock()
+        by_state: dict[str, int] = dict.fromkeys(ALL, 0)
+        for state, n in self._exec("count_by_state"):
+            by_state[state] = int(n)
+        channels: dict[str, dict[str, Any]] = {}
+
+        def channel_entry(name: str) -> dict[str, Any]:
+            return channels.setdefault(
+                name, {**dict.fromkeys(DEPTH, 0), "oldest_queued_age_s": None, "paused": False}
+            )
+
+        for name in configured_channels or []:
+            channel_entry(name)
+        for flags in self.channel_flags():
+            channel_entry(flags.channel)["paused"] = flags.paused
+        for live in self._rows(LiveCount, "live_by_channel"):
+            entry = channel_entry(live.channel)
+            entry[live.state] = int(live.n)
+            if live.oldest is not None:
+                entry["oldest_queued_age_s"] = round(max(0.0, now - float(live.oldest)), 3)
+        row = self.lease_row()
+        lease_obj = None
+        if (row is not None and row.holder is not None and row.expires_at is not None
+                and float(row.expires_at) > self._lease_now()
+                # null while no process holds it: a holder provably dead (kill -9
+                # on this host) holds nothing, whatever its expiry says.
+                and not holder_provably_dead(row.holder_pid, row.holder_boot, row.holder_pidns,
+                                             row.holder_start)):
+            lease_obj = {"holder": row.holder, "epoch": int(row.epoch),
+                         "expires_at": rfc3339(float(row.expires_at))}
+        return {
+            "states": by_state,
+            "channels": dict(sorted(channels.items())),
+            "lease": lease_obj,
+            "db": {
+                "path": str(self.db_path),
+                "size_bytes": _file_size(self.db_path),
+                "wal_bytes": _file_size(maintenance.wal_path(self.db_path)),
+            },
+        }
+
+    def recent_failures(self, limit: int) -> list[RecentFailure]:
+        """The newest failed or rejected rows, for the status page."""
+        return self._rows(RecentFailure, "recent_failures", limit=limit)
+
+    def settled_app_acks(self, ids: Sequence[str]) -> dict[str, bytes]:
+        """Of these rows, those whose application ACK is known: id → ACK bytes (the relay's poll)."""
+        blob = self.dialect.blob
+        return {str(r[0]): blob(r[1]) for r in self._exec("settled_app_acks", ids=json.dumps(list(ids)))}
+
+    def probe_write(self) -> None:
+        """A tiny write: /readyz proves the database takes writes — and intake would accept."""
+        self._exec("probe_write", now=repr(self.clock()))
+        maintenance.check_room(self)
+
+    # -- operator reads ------------------------------------------------------------
+
+    def meta(self) -> dict[str, str]:
+        """The ``meta`` table: agent_id, schema_version, queue_id, …"""
+        return {str(k): str(v) for k, v in self._exec("meta_all")}
+
+    def settled_by_channel(self) -> list[StateCount]:
+        """Counts of terminal rows (settled and audit) per channel and state."""
+        return self._rows(StateCount, "op_settled_by_channel")
+
+    def list_rows(self, where: RowFilter) -> list[ListedRow]:
+        """``queue list``: newest first (received_at DESC), bodies only when asked for."""
+        return self._rows(
+            ListedRow, "op_list", state=where.state, channel=where.channel, since=where.since,
+            control_id=where.control_id, limit=where.limit or -1, show_body=1 if where.show_body else 0,
+        )
+
+    def row(self, message_id: str) -> StoredRow | None:
+        """Every column of one row."""
+        return self._row(StoredRow, "row_by_id", id=message_id)
+
+    def row_place(self, message_id: str) -> RowPlace | None:
+        return self._row(RowPlace, "op_row_place", id=message_id)
+
+    def resolve_id_prefix(self, text: str, min_prefix: int) -> list[str]:
+        """``[text]`` when it is a row's id; else up to two ids it starts (none if shorter than ``min_prefix``)."""
+        if self.row_place(text) is not None:
+            return [text]
+        if len(text) < min_prefix:
+            return []
+        return [str(r[0]) for r in self._exec("op_ids_by_prefix", prefix=text)]
+
+    def rows_in_state(self, state: str, channel: str | None) -> list[ListedRow]:
+        """Every row in ``state`` (of ``channel``), in delivery order, without bodies."""
+        return self._rows(ListedRow, "op_select_state", state=state, channel=channel)
+
+    def count_state(self, state: str, channel: str | None) -> int:
+        return int(self._scalar("op_count_state", state=state, channel=channel))
+
+    def last_rowid(self) -> int:
+        """The newest row's rowid: a re-drive by state stops there (rows it re-queues come back later)."""
+        return int(self._scalar("op_max_rowid"))
+
+    def count_purgeable(self, state: str, channel: str | None, cutoff: float) -> int:
+        return int(self._scalar("op_count_purgeable", state=state, channel=channel, cutoff=cutoff))
+
+    def export_ids(self, state: str, channel: str | None) -> list[str]:
+        """Ids in ``state`` in delivery order: by channel, then seq; audit rows last by time."""
+        return [str(r[0]) for r in self._exec("op_export_ids", state=state, channel=channel)]
+
+    def export_bodies(self, ids: Sequence[str]) -> dict[str, bytes]:
+        """id → stored bytes of those rows that still exist."""
+        blob = self.dialect.blob
+        return {str(r[0]): blob(r[1]) for r in self._exec("op_bodies", ids=json.dumps(list(ids)))}
+
+    # -- operator writes -----------------------------------------------------------
+
+    def redrive_ids(self, ids: Sequence[str], now: float, *, dry_run: bool = False) -> list[RedriveOutcome]:
+        """Event.REDRIVE by id (``queue retry ID…``): what happened to each, in order.
+
+        Same id (a replaying server dedupes), due now, ``max_attempts``
+        counted afresh from here (redrive_base). ``dry_run`` only looks.
+        """
+        name = self._query_for(Event.REDRIVE, "op_redrive_one")
+        out: list[RedriveOutcome] = []
+        for message_id in ids:
+            place = self.row_place(message_id)
+            if place is None:
+                out.append(RedriveOutcome(message_id, "missing"))
+                continue
+            if place.state not in Event.REDRIVE.sources:
+                out.append(RedriveOutcome(message_id, "refused", place.state, place.channel))
+                continue
+            if dry_run:
+                out.append(RedriveOutcome(message_id, "would_move", place.state, place.channel))
+                continue
+            # The guard is in the UPDATE; count what it did.
+            moved = int(self._exec(name, id=message_id, now=now).rowcount) == 1
+            out.append(RedriveOutcome(message_id, "moved" if moved else "changed", place.state, place.channel))
+        return out
+
+    def redrive_state(self, state: str, channel: str | None, *, up_to_rowid: int, limit: int,
+                      now: float) -> list[str]:
+        """Event.REDRIVE of at most ``limit`` rows in ``state``: the channel of each row moved."""
+        name = self._query_for(Event.REDRIVE, "op_redrive_batch")
+        cur = self._exec(name, state=state, channel=channel, max_rowid=up_to_rowid, limit=limit, now=now)
+        return [str(r[0]) for r in cur.fetchall()]
+
+    def purge(self, state: str, channel: str | None, cutoff: float, limit: int) -> int:
+        """Delete at most ``limit`` terminal rows in ``state`` last updated before ``cutoff``."""
+        return int(self._exec("op_purge_batch", state=state, channel=channel, cutoff=cutoff,
+                              limit=limit).rowcount)
