@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import structlog
 
 from agent import __version__, acks, envelope
-from agent.aio import cancel_and_wait, unless
+from agent.aio import cancel_and_wait, unless, wait_event
 from agent.errors import HL7Error, LeaseLost, StorageError
 from agent.protocol import Transmit, TransmitResponse, classify_status, max_frame_bytes, rfc3339_utc
 from agent.relay import AckRelay
@@ -417,8 +417,7 @@ class Dispatcher:
         # recovery from their workers; then run() releases the lease.
         await self._close_link()
         if not (force and force.is_set()):
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._tenure_over.wait(), max(0.1, deadline - time.monotonic()))
+            await wait_event(self._tenure_over, max(0.1, deadline - time.monotonic()))
         epoch = self.epoch
         if self.lease_held and epoch is not None:
             await self._release(epoch)
@@ -430,8 +429,9 @@ class Dispatcher:
         return await self.writer.run(fn)
 
     async def _sleep(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stopping.wait(), max(0.0, seconds))
+        # Not asyncio.wait_for (see agent.aio): a worker or the heartbeat
+        # cancelled by its TaskGroup must never lose that cancellation here.
+        await wait_event(self.stopping, max(0.0, seconds))
 
     async def _until_stopping(self, aw: Awaitable[T]) -> T:
         """Await ``aw`` unless stop() comes first (then raise _Stopping)."""
@@ -443,8 +443,10 @@ class Dispatcher:
     async def _idle(self, channel: str, seconds: float) -> None:
         """Wait for new rows (in-process wake-up, else poll: another process may take intake)."""
         event = self._wake[channel]
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), seconds)
+        # Not asyncio.wait_for: on Python 3.11 a wake-up in the same loop turn
+        # as the TaskGroup's cancellation (the tenure ending) returned normally
+        # and the worker kept the tenure alive while the queue stayed idle.
+        await wait_event(event, seconds)
         event.clear()
 
     # -- the channel worker --------------------------------------------------
