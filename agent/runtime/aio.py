@@ -1,4 +1,15 @@
-"""One asyncio idiom the daemon needs in several places, written once."""
+"""The asyncio idioms the daemon needs in several places, written once.
+
+Not ``asyncio.wait_for`` for waits that a TaskGroup or a shutdown may cancel:
+before Python 3.12 it runs the awaited thing as a task of its own, and when
+that task finishes in the same loop turn as a cancellation of the waiter, it
+returns the result and the cancellation is lost (CPython gh-86296, fixed in
+3.12 by rebuilding ``wait_for`` on ``asyncio.timeout``). A worker that loses
+its cancellation that way keeps running while its TaskGroup waits for it:
+here, a lease tenure that never ends. ``wait_event`` awaits in the caller's
+own task under ``asyncio.timeout``, which counts cancellations and never
+swallows one that is not its own.
+"""
 
 from __future__ import annotations
 
@@ -47,3 +58,19 @@ async def cancel_and_wait(*tasks: asyncio.Future[Any] | None) -> None:
         task.cancel()
     if pending:
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait until ``event`` is set or ``timeout`` seconds pass; True when it is set.
+
+    A cancellation of the caller always propagates, also when it comes in the
+    same loop turn as the event (see the module docstring).
+    """
+    if event.is_set():
+        return True
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        return event.is_set()
+    return True

@@ -55,7 +55,7 @@ from agent.core.protocol import (
 from agent.core.retry import attempts_exhausted, backoff, retry_delay
 from agent.core.timefmt import rfc3339_utc
 from agent.errors import HL7Error, LeaseLost, StorageError
-from agent.runtime.aio import cancel_and_wait, unless
+from agent.runtime.aio import cancel_and_wait, unless, wait_event
 from agent.runtime.relay import AckRelay
 from agent.runtime.upstream import (
     LeaseExpired,
@@ -424,8 +424,7 @@ class Dispatcher:
         # recovery from their workers; then run() releases the lease.
         await self._close_link()
         if not (force and force.is_set()):
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._tenure_over.wait(), max(0.1, deadline - time.monotonic()))
+            await wait_event(self._tenure_over, max(0.1, deadline - time.monotonic()))
         epoch = self.epoch
         if self.lease_held and epoch is not None:
             await self._release(epoch)
@@ -437,8 +436,9 @@ class Dispatcher:
         return await self.writer.run(fn)
 
     async def _sleep(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stopping.wait(), max(0.0, seconds))
+        # Not asyncio.wait_for (see agent.runtime.aio): a worker or the heartbeat
+        # cancelled by its TaskGroup must never lose that cancellation here.
+        await wait_event(self.stopping, max(0.0, seconds))
 
     async def _until_stopping(self, aw: Awaitable[T]) -> T:
         """Await ``aw`` unless stop() comes first (then raise _Stopping)."""
@@ -450,8 +450,10 @@ class Dispatcher:
     async def _idle(self, channel: str, seconds: float) -> None:
         """Wait for new rows (in-process wake-up, else poll: another process may take intake)."""
         event = self._wake[channel]
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), seconds)
+        # Not asyncio.wait_for: on Python 3.11 a wake-up in the same loop turn
+        # as the TaskGroup's cancellation (the tenure ending) returned normally
+        # and the worker kept the tenure alive while the queue stayed idle.
+        await wait_event(event, seconds)
         event.clear()
 
     # -- the channel worker --------------------------------------------------

@@ -25,7 +25,6 @@ never logged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import ssl
 from collections.abc import Awaitable, Callable, Coroutine
@@ -49,7 +48,7 @@ from agent.core.protocol import (
 from agent.core.protocol import max_frame_bytes as _max_frame_bytes
 from agent.core.retry import backoff
 from agent.errors import LocalError, ProtocolError
-from agent.runtime.aio import unless
+from agent.runtime.aio import unless, wait_event
 
 log = structlog.get_logger(__name__)
 
@@ -228,7 +227,7 @@ class Session:
         Answers to another attempt of the same id are dropped and logged (an
         answer to an older send that timed out must not settle this one, SPEC 6
         "settles are attempt-scoped"). No timeout inside: the dispatcher wraps
-        this in ``asyncio.wait_for(response_timeout)``; cancelling is safe.
+        this in ``asyncio.timeout(response_timeout)``; cancelling is safe.
 
         Raises TransmitTooLarge (a ProtocolError) before sending anything when
         the frame exceeds max_frame_bytes, SessionClosed if the connection ends
@@ -448,8 +447,7 @@ class UpstreamLink:
                     break
                 delay = next(delays)
                 self._log.info("upstream_reconnect_scheduled", delay_s=round(delay, 3))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), delay)
+                await wait_event(self._stop, delay)
         finally:
             current = self._current
             if current is not None and not current.closed:
@@ -601,7 +599,11 @@ class UpstreamLink:
         hello = Hello(agent_id=s.agent_id, version=s.version, epoch=s.epoch, queue_id=s.queue_id)
         try:
             await ws.send(hello.to_json())
-            welcome = await asyncio.wait_for(self._await_welcome(ws), s.connect_timeout)
+            # asyncio.timeout, not wait_for (see agent.runtime.aio): a close() in the
+            # turn the welcome arrives must cancel this connect, not let it
+            # return a session nobody will ever close.
+            async with asyncio.timeout(s.connect_timeout):
+                welcome = await self._await_welcome(ws)
         except TimeoutError:
             self.last_error = f"no welcome within {s.connect_timeout} s"
             self._log.warning("upstream_welcome_timeout", timeout_s=s.connect_timeout)

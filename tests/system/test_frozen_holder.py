@@ -17,6 +17,7 @@ reliably). Everything else is real: processes, sockets, SQLite, the server.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections import defaultdict
@@ -72,6 +73,19 @@ def transmits(timeline: list[Arrival], **match: object) -> list[Arrival]:
             and all(getattr(a, k) == v for k, v in match.items())]
 
 
+def settled_states(db_path: Path, timeout: float = 15.0) -> dict[str, str]:
+    """Each row's state once none is queued, claimed or inflight (or at the deadline: the assertions show which)."""
+
+    def read() -> dict[str, str]:
+        return dict(db_rows(db_path, "SELECT control_id, state FROM messages WHERE seq IS NOT NULL"))
+
+    live = ("queued", "claimed", "inflight")
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: not any(state in live for state in read().values()), timeout,
+                 what="every row settled")
+    return read()
+
+
 def frozen_holder_scenario(tmp_path: Path, *, server_fence: bool, agent_guard: bool) -> dict[str, object]:
     """Run the freeze; return what the server saw, who held which epoch, and the rows' states."""
     dev = DevServerThread(track_epochs=server_fence).start()
@@ -110,8 +124,9 @@ def frozen_holder_scenario(tmp_path: Path, *, server_fence: bool, agent_guard: b
                  20, what="the old holder to end its tenure")
         wait_for(lambda: dev.server.active_sessions == 1, 20, what="the old session to end")
 
-        states = dict(db_rows(tmp_path / "data" / "queue.db",
-                              "SELECT control_id, state FROM messages WHERE seq IS NOT NULL"))
+        # The server has answered F05; the successor commits that settle a
+        # moment later (on a loaded machine, after the old session is gone).
+        states = settled_states(tmp_path / "data" / "queue.db")
         return {
             "timeline": list(dev.server.timeline),
             "old_epoch": epoch_of(old) if old.has_event("lease_acquired") else None,
