@@ -45,7 +45,10 @@ class AckRelay:
         self._waiters.setdefault(message_id, []).append(fut)
         self._ensure_poller()
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            # asyncio.timeout, not wait_for: a cancelled waiter must stay cancelled
+            # (see agent/runtime/aio.py on Python 3.11).
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(fut)
         except TimeoutError:
             return None
         finally:
