@@ -34,7 +34,7 @@ from agenttest import SAMPLE_ADT, hl7_message, until
 from structlog.testing import capture_logs
 
 from agent.app.config import ChannelSettings
-from agent.core import envelope, mllp
+from agent.core import charsets, envelope, mllp
 from agent.core.acks import read_ack_code
 from agent.runtime.mllp_server import ChannelListener, Connection, IntakeContext
 from agent.runtime.relay import AckRelay
@@ -164,7 +164,7 @@ class Expected:
 
 
 def expected(payload: bytes, channel_encoding: str = "utf-8") -> Expected:
-    wide = envelope.sniff_wide_encoding(payload)
+    wide = charsets.sniff_wide_encoding(payload)
     if wide is not None:
         try:
             envelope.read_msh(payload)
@@ -186,7 +186,7 @@ def expected(payload: bytes, channel_encoding: str = "utf-8") -> Expected:
     assert env is not None
     waivable = env.accept_ack_type.strip().upper() in ("NE", "ER", "SU")
     try:
-        envelope.decode_message(payload, envelope.resolve_codec(env.charset, channel_encoding))
+        charsets.decode_message(payload, charsets.resolve_codec(env.charset, channel_encoding))
         decodable = True
     except (envelope.EnvelopeError, envelope.UnsupportedCharset):
         decodable = False

@@ -13,7 +13,7 @@ import uuid
 from datetime import datetime
 from enum import Enum, StrEnum
 
-from agent.core import envelope, mllp
+from agent.core import charsets, mllp
 from agent.core.envelope import DEFAULT_ENCODING_CHARS, DEFAULT_FIELD_SEP, Envelope
 
 __all__ = [
@@ -135,7 +135,7 @@ def _usable_codec(codec: str) -> str:
     (``idna``, ``rot13``) or not ASCII-compatible; encoding with it can raise
     or produce bytes that break the MLLP framing.
     """
-    return envelope.text_codec(codec) or "ascii"
+    return charsets.text_codec(codec) or "ascii"
 
 
 def _recode(raw: str, codec: str) -> str:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
-from agent.core import acks, envelope, mllp
+from agent.core import acks, charsets, envelope, mllp
 from agent.core.acks import AckCode, Outcome
 from agent.core.addresses import format_peer
 from agent.core.envelope import Envelope, MalformedMsh, NoMshSegment
@@ -952,7 +952,7 @@ class Connection:
         if env is None:
             return "ascii"
         try:
-            return envelope.resolve_codec(env.charset, self.channel.encoding)
+            return charsets.resolve_codec(env.charset, self.channel.encoding)
         except HL7Error:
             return "ascii"
 
@@ -1047,7 +1047,7 @@ class Connection:
         try:
             env = envelope.read_msh(payload)
         except NoMshSegment:
-            wide = envelope.sniff_wide_encoding(payload)
+            wide = charsets.sniff_wide_encoding(payload)
             if wide is not None:
                 # SPEC 4: UTF-16/32 is forbidden by HL7 and rejected — but its MSH
                 # can be read, so the sender gets an ACK, in ASCII.
@@ -1078,8 +1078,8 @@ class Connection:
             )
             return Reply()
         try:
-            codec = envelope.resolve_codec(env.charset, self.channel.encoding)
-            envelope.decode_message(payload, codec)
+            codec = charsets.resolve_codec(env.charset, self.channel.encoding)
+            charsets.decode_message(payload, codec)
         except HL7Error as exc:
             return self._reject(env, payload, Outcome.MALFORMED, exc.error_code, exc.text, received_at,
                                 codec="ascii")

@@ -24,7 +24,8 @@ from agent.core.acks import (
     read_ack_code,
     relayed_ack,
 )
-from agent.core.envelope import TEXT_CODECS, Envelope, MalformedMsh, read_msh, scrape_control_id
+from agent.core.charsets import TEXT_CODECS
+from agent.core.envelope import Envelope, MalformedMsh, read_msh, scrape_control_id
 from agent.errors import EnvelopeError
 
 Sample = Callable[[str], bytes]
