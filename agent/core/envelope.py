@@ -14,7 +14,6 @@ the whole message live in ``agent.core.charsets``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 # decode_message: dispatcher.py still imports it from here (its own step moves that import).
@@ -264,40 +263,6 @@ def set_msh_field(text: str, field_number: int, value: str) -> str:
         fields.extend([""] * (field_number - len(fields)))
     fields[field_number - 1] = value
     return sep.join(fields) + rest
-
-
-def unsupported_reason(
-    env: Envelope,
-    *,
-    message_types: Sequence[str] = (),
-    processing_ids: Sequence[str] = (),
-    versions: Sequence[str] = (),
-) -> tuple[int, str] | None:
-    """Why a channel that restricts what it takes refuses ``env``: (ERR-3 code, text), or None.
-
-    HL7 table 0357: 200 unsupported message type, 201 unsupported event code,
-    202 unsupported processing id, 203 unsupported version id (SPEC 4: AR/CR).
-    ``message_types`` entries are "ADT" (every event) or "ADT^A01"; a version
-    "2.5" also admits "2.5.1". Empty lists restrict nothing.
-    """
-    code = env.message_code.upper()
-    event = env.trigger_event.upper()
-    if message_types:
-        codes = {t.split("^", 1)[0] for t in message_types}
-        if code not in codes:
-            return 200, f"message type {code} is not accepted on this channel"
-        if code not in message_types and f"{code}^{event}" not in message_types:
-            return 201, f"event {code}^{event} is not accepted on this channel"
-    if processing_ids:
-        processing = env.processing_id.split(env.component_sep, 1)[0].strip()
-        if processing not in processing_ids:
-            return 202, f"processing id {processing or '(empty)'} is not accepted on this channel"
-    if versions:
-        version = env.version
-        if not any(version == v or version.startswith(v + ".") for v in versions):
-            return 203, f"version {version} is not accepted on this channel"
-    return None
-
 
 
 def read_wide_msh(data: bytes, codec: str) -> Envelope | None:

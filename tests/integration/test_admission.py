@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 from agent.app.config import AdminSettings, AgentSettings, ChannelSettings, QueueSettings, Settings
 from agent.app.service import Agent
 from agent.core import mllp
-from agent.runtime.mllp_server import AUDIT_ROWS_PER_WINDOW, MAX_PENDING_RELAYS
+from agent.core.intake import AUDIT_ROWS_PER_WINDOW, MAX_PENDING_RELAYS
 
 
 def run_agent(tmp_path: Path, scenario: Callable[[Agent, int], Awaitable[None]], **channel: Any) -> None:
@@ -185,7 +185,7 @@ class TestRefusal:
             message = [hl7_message(f"BUSY-{n}") for n in range(2)]
             for conn, body in zip(busy, message, strict=True):
                 await conn.send(mllp.START_BLOCK + body[:20], raw=True)  # a frame started, not finished
-            await until(lambda: all(c.decoder.mid_frame for c in agent.listeners[0].connections)
+            await until(lambda: all(c.core.mid_frame for c in agent.listeners[0].connections)
                         and listener_connections(agent) == 2, what="2 connections mid-frame")
             for attempt in range(3):
                 newcomer = await Sender.open(port, "127.0.0.9")
@@ -222,7 +222,7 @@ class TestRefusal:
                 # Every connection of the source busy: the next one is refused.
                 await mine[1].send(mllp.START_BLOCK + b"MSH|", raw=True)
                 await third.send(mllp.START_BLOCK + b"MSH|", raw=True)
-                await until(lambda: sum(c.decoder.mid_frame for c in agent.listeners[0].connections) == 2,
+                await until(lambda: sum(c.core.mid_frame for c in agent.listeners[0].connections) == 2,
                             what="the source's two connections mid-frame")
                 refused = await Sender.open(port, "127.0.0.3")
                 assert await refused.closed_by_agent(5)
@@ -373,7 +373,7 @@ class TestRelayBound:
                 for _ in range(MAX_PENDING_RELAYS + extra):
                     assert ack_code(await sender.read_ack()) == "CA"
                 conn = next(iter(agent.listeners[0].connections))
-                await until(lambda: len(conn.relay_tasks) == MAX_PENDING_RELAYS, what="relays bounded")
+                await until(lambda: conn.core.relays_awaited == MAX_PENDING_RELAYS, what="relays bounded")
                 await until(lambda: len(db_rows(tmp_path / "data" / "queue.db",
                                                 "SELECT 1 FROM messages WHERE ack_outcome = 'undelivered'")) == extra,
                             what="overflow recorded undelivered")
