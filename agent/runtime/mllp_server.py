@@ -122,6 +122,29 @@ def _submit(
     return writer.submit(lambda store: method(store, *args, **kwargs))
 
 
+def intake_item(channel: str, remote: str, message: NewMessage) -> IntakeItem:
+    """The row the store commits for ``message`` (received on ``channel`` from ``remote``)."""
+    env = message.envelope
+    return IntakeItem(
+        channel=channel, remote=remote, sending_app=env.sending_app, sending_facility=env.sending_facility,
+        control_id=env.control_id, message_type=env.message_type, body=message.body, encoding=message.codec,
+        ack_mode=message.ack_mode, accept_ack_type=env.accept_ack_type,
+        application_ack_type=env.application_ack_type, commit_ack=message.commit_ack,
+        received_at=message.received_at,
+    )
+
+
+def audit_item(channel: str, remote: str, record: AuditRecord) -> AuditItem:
+    """The ``nacked`` row the store keeps for ``record``."""
+    env = record.envelope
+    return AuditItem(
+        channel, remote, record.body, record.error_code, record.error_text,
+        sending_app=env.sending_app if env else "", sending_facility=env.sending_facility if env else "",
+        control_id=env.control_id if env else "", message_type=env.message_type if env else "",
+        ack_sent=record.ack_sent, received_at=record.received_at,
+    )
+
+
 def source_address(peer: Any) -> str:
     """The sender's address without the port (IPv4-mapped IPv6 as IPv4): the per-source key."""
     if not isinstance(peer, tuple) or not peer:
@@ -531,7 +554,7 @@ class Connection(asyncio.Protocol):
         # One frame, one row today; HL7 batch frames (issue 10) commit theirs through
         # SqliteStore.intake_batch, all or none.
         (message,) = action.items
-        future = _submit(self.ctx.writer, SqliteStore.intake, self._intake_item(message))
+        future = _submit(self.ctx.writer, SqliteStore.intake, intake_item(self.channel.name, self.remote, message))
         ticket = action.ticket
 
         def done(fut: concurrent.futures.Future[Any]) -> None:
@@ -546,7 +569,7 @@ class Connection(asyncio.Protocol):
         future.add_done_callback(lambda fut: self._from_writer(done, fut))
 
     def _audit(self, record: AuditRecord) -> None:
-        future = _submit(self.ctx.writer, SqliteStore.record_audit, self._audit_item(record))
+        future = _submit(self.ctx.writer, SqliteStore.record_audit, audit_item(self.channel.name, self.remote, record))
 
         def done(fut: concurrent.futures.Future[Any]) -> None:
             error = None if fut.cancelled() else fut.exception()
@@ -560,26 +583,6 @@ class Connection(asyncio.Protocol):
         """On the writer thread: hand the result to the event loop (one thread hop per job)."""
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(done, fut)
-
-    def _intake_item(self, message: NewMessage) -> IntakeItem:
-        env = message.envelope
-        return IntakeItem(
-            channel=self.channel.name, remote=self.remote, sending_app=env.sending_app,
-            sending_facility=env.sending_facility, control_id=env.control_id,
-            message_type=env.message_type, body=message.body, encoding=message.codec,
-            ack_mode=message.ack_mode, accept_ack_type=env.accept_ack_type,
-            application_ack_type=env.application_ack_type, commit_ack=message.commit_ack,
-            received_at=message.received_at,
-        )
-
-    def _audit_item(self, record: AuditRecord) -> AuditItem:
-        env = record.envelope
-        return AuditItem(
-            self.channel.name, self.remote, record.body, record.error_code, record.error_text,
-            sending_app=env.sending_app if env else "", sending_facility=env.sending_facility if env else "",
-            control_id=env.control_id if env else "", message_type=env.message_type if env else "",
-            ack_sent=record.ack_sent, received_at=record.received_at,
-        )
 
     def _count(self, action: Count) -> None:
         metrics = self.ctx.metrics
