@@ -1,4 +1,4 @@
-"""UTF-16/32 is forbidden by HL7 over MLLP: such frames are rejected with an ACK, never silently dropped (SPEC 4)."""
+"""UTF-16/32 is forbidden by HL7 over MLLP: such frames are rejected with an ACK, never silently dropped (docs/acks.md#character-sets)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Channels that restrict what they take: HL7 table 0357 codes 200-203 (SPEC 4)."""
+"""Channels that restrict what they take: HL7 table 0357 codes 200-203 (answered AR/CR)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reading the MSH envelope on bytes, resolving charsets, decoding and MSH stamping (SPEC 4, 5)."""
+"""Reading the MSH envelope on bytes, resolving charsets, decoding and MSH stamping."""
 
 from __future__ import annotations
 
