@@ -45,13 +45,8 @@ from agent.core.intake import IntakeConnection
 from agent.core.intake_actions import Commit, Send
 from agent.core.intake_types import Audit, Log, RecordOutcome
 from agent.errors import EnvelopeError, StorageError, UnsupportedCharset
-from agent.runtime.mllp_server import (
-    ChannelListener,
-    IntakeContext,
-    audit_item,
-    channel_policy,
-    intake_item,
-)
+from agent.runtime.mllp_connection import audit_item, intake_item
+from agent.runtime.mllp_server import ChannelListener, IntakeContext, channel_policy
 from agent.runtime.relay import AckRelay
 from agent.storage import sqlite as db
 from agent.storage.store import SqliteStore

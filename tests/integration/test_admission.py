@@ -8,6 +8,8 @@ addresses come from binding the client side to 127.0.0.2, 127.0.0.3, ...
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -174,6 +176,35 @@ class TestEviction:
                     conn.close()
 
         run_agent(tmp_path, scenario, max_connections=2)
+
+
+class TestResetConnections:
+    def test_a_reset_connection_holding_an_application_ack_frees_its_place_at_once(self, tmp_path: Path) -> None:
+        """A sender that resets while its application ACK is held (original mode, no server) no longer counts
+        against max_connections until application_ack_timeout: its place goes to the next sender at once, and
+        the held ACK is recorded undelivered (replayed on retransmit)."""
+
+        async def scenario(agent: Agent, port: int) -> None:
+            gone = await Sender.open(port)
+            await gone.send(hl7_message("HELD-THEN-RESET"))
+            await until(lambda: db_rows(tmp_path / "data" / "queue.db",
+                                        "SELECT 1 FROM messages WHERE control_id = 'HELD-THEN-RESET'"),
+                        what="the held message committed")
+            sock = gone.writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+            gone.close()
+            await until(lambda: listener_connections(agent) == 0, timeout=5, what="the reset connection gone")
+            newcomer = await Sender.open(port)
+            try:
+                await newcomer.send(hl7_message("NEXT"))
+                assert not await newcomer.closed_by_agent(0.5), "the newcomer was refused"
+            finally:
+                newcomer.close()
+            await until(lambda: db_rows(tmp_path / "data" / "queue.db",
+                                        "SELECT ack_outcome FROM messages WHERE control_id = 'HELD-THEN-RESET'")
+                        == [("undelivered",)], what="the held ACK recorded undelivered")
+
+        run_agent(tmp_path, scenario, ack="application", max_connections=1)
 
 
 class TestRefusal:
