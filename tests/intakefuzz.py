@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from agenttest import SAMPLE_ADT, hl7_message, until
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from agent.app.config import ChannelSettings
@@ -158,6 +159,38 @@ def mutate(rng: random.Random, message: bytes, steps: int) -> bytes:
         else:
             data[pos:pos] = rng.choice((b"\x1c", b"\x1c\x1c", b"\x1c\n", b"\x00", "\u00e9".encode(), b"\xe9"))
     return bytes(data)
+
+
+# -- hypothesis strategies (the property tests share them) ---------------------------
+
+#: The frame limit the property tests and the fuzz run configure.
+MAX_MESSAGE_BYTES = 4096
+
+
+def mutated_messages() -> st.SearchStrategy[bytes]:
+    """A real message from the corpus, damaged by 0-6 random operations."""
+    return st.builds(
+        lambda seed, index, steps: mutate(random.Random(seed), CORPUS[index % len(CORPUS)], steps),
+        st.integers(0, 2**32 - 1), st.integers(0, len(CORPUS) - 1), st.integers(0, 6),
+    )
+
+
+def payloads() -> st.SearchStrategy[bytes]:
+    nasty = st.binary(max_size=300).map(lambda b: bytes(NASTY_BYTES[x % len(NASTY_BYTES)] for x in b))
+    msh_prefixed = st.binary(max_size=300).map(lambda b: b"MSH" + b)
+    return st.one_of(mutated_messages(), st.binary(max_size=600), nasty, msh_prefixed)
+
+
+def raw_streams() -> st.SearchStrategy[bytes]:
+    """Frames, junk, restarts and oversize frames, in any order."""
+    pieces = st.one_of(
+        mutated_messages().map(mllp.encode_frame),
+        st.binary(max_size=200),
+        st.sampled_from([b"\x0b", b"\x1c", b"\x1c\r", b"\r", b"\x0b\x1c\r"]),
+        st.integers(MAX_MESSAGE_BYTES - 8, MAX_MESSAGE_BYTES + 64).map(
+            lambda n: mllp.encode_frame(b"MSH|^~\\&|A|B|C|D|||ADT^A01|BIG|P|2.5|" + b"x" * n)),
+    )
+    return st.lists(pieces, max_size=6).map(b"".join)
 
 
 # -- the oracle: what the contract says the handler must do with one payload ---

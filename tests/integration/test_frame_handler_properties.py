@@ -18,8 +18,15 @@ import os
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
-from intakefuzz import CORPUS, SocketHarness, check_handled, check_streamed, expected
-from test_intake_properties import MAX_MESSAGE_BYTES, raw_streams
+from intakefuzz import (
+    CORPUS,
+    MAX_MESSAGE_BYTES,
+    SocketHarness,
+    check_handled,
+    check_streamed,
+    expected,
+    raw_streams,
+)
 
 EXAMPLES = int(os.environ.get("HL7_PROPERTY_EXAMPLES", "150"))
 PROPERTY = settings(

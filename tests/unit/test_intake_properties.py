@@ -15,7 +15,6 @@ real socket are in tests/integration/test_frame_handler_properties.py.
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,16 +22,15 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from intakefuzz import (
     CORPUS,
-    NASTY_BYTES,
+    MAX_MESSAGE_BYTES,
     CoreHarness,
     Handled,
     check_handled,
     check_streamed,
     expected,
-    mutate,
+    payloads,
+    raw_streams,
 )
-
-from agent.core import mllp
 
 EXAMPLES = int(os.environ.get("HL7_PROPERTY_EXAMPLES", "400"))
 PROPERTY = settings(
@@ -41,35 +39,6 @@ PROPERTY = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     database=None,
 )
-MAX_MESSAGE_BYTES = 4096
-
-
-def mutated_messages() -> st.SearchStrategy[bytes]:
-    """A real message from the corpus, damaged by 0-6 random operations."""
-    return st.builds(
-        lambda seed, index, steps: mutate(random.Random(seed), CORPUS[index % len(CORPUS)], steps),
-        st.integers(0, 2**32 - 1), st.integers(0, len(CORPUS) - 1), st.integers(0, 6),
-    )
-
-
-def payloads() -> st.SearchStrategy[bytes]:
-    nasty = st.binary(max_size=300).map(lambda b: bytes(NASTY_BYTES[x % len(NASTY_BYTES)] for x in b))
-    msh_prefixed = st.binary(max_size=300).map(lambda b: b"MSH" + b)
-    return st.one_of(mutated_messages(), st.binary(max_size=600), nasty, msh_prefixed)
-
-
-def raw_streams() -> st.SearchStrategy[bytes]:
-    """Frames, junk, restarts and oversize frames, in any order."""
-    pieces = st.one_of(
-        mutated_messages().map(mllp.encode_frame),
-        st.binary(max_size=200),
-        st.sampled_from([b"\x0b", b"\x1c", b"\x1c\r", b"\r", b"\x0b\x1c\r"]),
-        st.integers(MAX_MESSAGE_BYTES - 8, MAX_MESSAGE_BYTES + 64).map(
-            lambda n: mllp.encode_frame(b"MSH|^~\\&|A|B|C|D|||ADT^A01|BIG|P|2.5|" + b"x" * n)),
-    )
-    return st.lists(pieces, max_size=6).map(b"".join)
-
-
 def check(payload: bytes, handled: Handled, *, label: bool = True) -> None:
     """Every property of one handled frame payload (``label``: record the outcome in hypothesis' statistics)."""
     check_handled(payload, handled)
