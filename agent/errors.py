@@ -18,8 +18,7 @@ a local one an AR/CE "resend later".
     └── RemoteError                 the peer broke a rule
         ├── HL7Error                a message we cannot accept as sent
         │   ├── EnvelopeError       MSH missing or malformed (ERR-3 101/102)
-        │   ├── UnsupportedCharset  MSH-18 / channel encoding unusable (ERR-3 102)
-        │   └── FrameTooLarge       over max_message_bytes (ERR-3 207)
+        │   └── UnsupportedCharset  MSH-18 / channel encoding unusable (ERR-3 102/103)
         └── ProtocolError           the upstream server broke protocol v1
             └── AuthenticationFailed  401 on connect: the token is wrong
 """
@@ -97,12 +96,6 @@ class UnsupportedCharset(HL7Error):
     """The declared or configured character set cannot be used (UTF-16/32, unknown)."""
 
     error_code = 102
-
-
-class FrameTooLarge(HL7Error):
-    """An MLLP frame exceeded the channel's max_message_bytes."""
-
-    error_code = 207
 
 
 class ProtocolError(RemoteError):

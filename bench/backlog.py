@@ -41,7 +41,7 @@ def fill_queue(db_path: Path, channels: list[str], rows: int, batch: int = 10_00
     The one place the benches use the agent's inside: if the store's
     interface changes, this function is what to adapt.
     """
-    from agent.core import acks, envelope
+    from agent.core import acks, charsets, envelope
     from agent.storage import sqlite as db
     from agent.storage.store import IntakeItem, SqliteStore
 
@@ -58,7 +58,7 @@ def fill_queue(db_path: Path, channels: list[str], rows: int, batch: int = 10_00
                 for i in range(done, min(rows, done + batch)):
                     body = h.ADT_TEMPLATE.format(cid=f"B{i}").encode()
                     env = envelope.read_msh(body)
-                    codec = envelope.resolve_codec(env.charset, "utf-8")
+                    codec = charsets.resolve_codec(env.charset, "utf-8")
                     commit_ack = acks.build_ack(env, acks.ack_code(acks.Outcome.COMMITTED, env.enhanced),
                                                 codec=codec)
                     item = IntakeItem(

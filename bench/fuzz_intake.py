@@ -4,13 +4,14 @@
     python bench/fuzz_intake.py [--engine atheris|random] [--frames 200000] [--seconds 600] [--seed 1]
 
 Not part of the test suite. Every input goes through the real frame handler
-(``listener.Connection`` on a 127.0.0.1 connection to a real listener, the
-real Writer, SQLite in a temporary folder) via the one harness the property
-tests use (tests/intakefuzz.py), and is checked against the same
-properties: nothing reaches the last-resort path, nothing malformed is
-accepted, every readable MSH is answered, every frame not committed leaves
-an audit row, every ACK is one clean frame. One input in eight is a raw
-stream (frames, junk, restarts, oversize) read by the connection's own loop.
+— the intake core (``agent.core.intake.IntakeConnection``) with the real
+store on SQLite in a temporary folder, no event loop — via the harness the
+property tests use (``tests/intakefuzz.py``, ``CoreHarness``), and is
+checked against the same properties: nothing reaches the last-resort path,
+nothing malformed is accepted, every readable MSH is answered, every frame
+not committed leaves an audit row, every ACK is one clean frame. One input
+in eight is a raw stream (frames, junk, restarts, oversize) framed by the
+connection's own decoder.
 
 With atheris the inputs are coverage-guided (libFuzzer mutates the bytes;
 half of them are first mapped onto a damaged corpus message, so the run
@@ -46,9 +47,9 @@ class Run:
     """One harness for the whole run, and the figures."""
 
     def __init__(self, data_dir: Path) -> None:
-        from intakefuzz import FrameHandler
+        from intakefuzz import CoreHarness
 
-        self.handler = FrameHandler(data_dir, max_message_bytes=MAX_MESSAGE_BYTES).__enter__()
+        self.handler = CoreHarness(data_dir, max_message_bytes=MAX_MESSAGE_BYTES).__enter__()
         self.frames = 0
         self.streams = 0
         self.stream_frames = 0
@@ -75,7 +76,7 @@ class Run:
             self._checked(stream, lambda: check_streamed(
                 stream, self.handler.stream(stream), MAX_MESSAGE_BYTES), keep_going)
             self.streams += 1
-            # Frames the connection's own read loop handled: the stream's, and the sentinel.
+            # Frames the connection's own decoder framed: the stream's, and the sentinel.
             self.stream_frames += 1 + sum(
                 1 for e in frames_in(stream, MAX_MESSAGE_BYTES) if isinstance(e, (Frame, OversizeFrame)))
             return
@@ -140,11 +141,12 @@ def instrument_for_atheris() -> None:
 
     with atheris.instrument_imports(include=["agent"]):
         import agent.core.acks
+        import agent.core.charsets
         import agent.core.envelope
+        import agent.core.intake
+        import agent.core.intake_policy
         import agent.core.mllp
-        import agent.runtime.mllp_server
-        import agent.storage.store
-        import agent.storage.writer  # noqa: F401 - instrumented for coverage
+        import agent.storage.store  # noqa: F401 - instrumented for coverage
 
 
 def run_atheris(run: Run, frames: int, seconds: float, seed: int) -> None:

@@ -1,20 +1,25 @@
-"""Hostile input for intake, and the one harness that drives the whole frame handler.
+"""Hostile input for intake, and the harnesses that drive the whole frame handler.
 
-Used by the property tests (tests/unit/test_*.py, tests/integration/
-test_frame_handler_properties.py) and by the long fuzz run
-(bench/fuzz_intake.py). Two parts:
+Used by the property tests (tests/unit/test_intake_properties.py,
+tests/integration/test_frame_handler_properties.py) and by the long fuzz run
+(bench/fuzz_intake.py). Three parts:
 
 - ``mutate`` / ``mutated_message``: real messages (tests/data/*.hl7 and the
   tests/agenttest.py samples) damaged the ways senders and attackers damage
   them: MLLP block bytes and NULs inside fields, odd separators, MSH-18 naming
   Python transforms, MSH-15/16 values, truncation, wide encodings.
-- ``FrameHandler``: today's frame handler, ``listener.Connection``, on a real
-  connection to a real ``ChannelListener`` on 127.0.0.1 with the real Writer
-  and SQLite in a temporary folder. ``handle`` runs one frame payload through
-  the handler and reads back, off the socket, exactly what it wrote;
-  ``stream`` writes raw bytes and reads every ACK until a sentinel's.
-  Everything the properties need comes out of ``Handled``/``Streamed``, so
-  pointing the harness at a pure intake core later changes only this class.
+- ``CoreHarness``: the intake core (``agent.core.intake.IntakeConnection``)
+  with the real store on SQLite in a temporary folder, driven without an
+  event loop, a socket or a thread: each action is applied at once (a commit
+  is a real transaction). ``handle`` gives the core one frame payload as the
+  framer would — any bytes, even ones no sender can frame — and decodes the
+  ACK frames it asks to write; ``stream`` gives it raw stream bytes and
+  reads every ACK until a sentinel's.
+- ``SocketHarness``: the same over the real shell — a ``ChannelListener`` on
+  127.0.0.1, the real Writer thread, a client socket — for what only the
+  shell does (reads, pauses, the timing of writes).
+
+Everything the properties need comes out of ``Handled``/``Streamed``.
 """
 
 from __future__ import annotations
@@ -31,12 +36,18 @@ from pathlib import Path
 from typing import Any
 
 from agenttest import SAMPLE_ADT, hl7_message, until
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from agent.app.config import ChannelSettings
-from agent.core import envelope, mllp
+from agent.core import charsets, envelope, mllp
 from agent.core.acks import read_ack_code
-from agent.runtime.mllp_server import ChannelListener, Connection, IntakeContext
+from agent.core.intake import IntakeConnection
+from agent.core.intake_actions import Commit, Send
+from agent.core.intake_types import Audit, Log, RecordOutcome
+from agent.errors import EnvelopeError, StorageError, UnsupportedCharset
+from agent.runtime.mllp_connection import audit_item, intake_item
+from agent.runtime.mllp_server import ChannelListener, IntakeContext, channel_policy
 from agent.runtime.relay import AckRelay
 from agent.storage import sqlite as db
 from agent.storage.store import SqliteStore
@@ -150,6 +161,38 @@ def mutate(rng: random.Random, message: bytes, steps: int) -> bytes:
     return bytes(data)
 
 
+# -- hypothesis strategies (the property tests share them) ---------------------------
+
+#: The frame limit the property tests and the fuzz run configure.
+MAX_MESSAGE_BYTES = 4096
+
+
+def mutated_messages() -> st.SearchStrategy[bytes]:
+    """A real message from the corpus, damaged by 0-6 random operations."""
+    return st.builds(
+        lambda seed, index, steps: mutate(random.Random(seed), CORPUS[index % len(CORPUS)], steps),
+        st.integers(0, 2**32 - 1), st.integers(0, len(CORPUS) - 1), st.integers(0, 6),
+    )
+
+
+def payloads() -> st.SearchStrategy[bytes]:
+    nasty = st.binary(max_size=300).map(lambda b: bytes(NASTY_BYTES[x % len(NASTY_BYTES)] for x in b))
+    msh_prefixed = st.binary(max_size=300).map(lambda b: b"MSH" + b)
+    return st.one_of(mutated_messages(), st.binary(max_size=600), nasty, msh_prefixed)
+
+
+def raw_streams() -> st.SearchStrategy[bytes]:
+    """Frames, junk, restarts and oversize frames, in any order."""
+    pieces = st.one_of(
+        mutated_messages().map(mllp.encode_frame),
+        st.binary(max_size=200),
+        st.sampled_from([b"\x0b", b"\x1c", b"\x1c\r", b"\r", b"\x0b\x1c\r"]),
+        st.integers(MAX_MESSAGE_BYTES - 8, MAX_MESSAGE_BYTES + 64).map(
+            lambda n: mllp.encode_frame(b"MSH|^~\\&|A|B|C|D|||ADT^A01|BIG|P|2.5|" + b"x" * n)),
+    )
+    return st.lists(pieces, max_size=6).map(b"".join)
+
+
 # -- the oracle: what the contract says the handler must do with one payload ---
 
 
@@ -164,7 +207,7 @@ class Expected:
 
 
 def expected(payload: bytes, channel_encoding: str = "utf-8") -> Expected:
-    wide = envelope.sniff_wide_encoding(payload)
+    wide = charsets.sniff_wide_encoding(payload)
     if wide is not None:
         try:
             envelope.read_msh(payload)
@@ -173,7 +216,7 @@ def expected(payload: bytes, channel_encoding: str = "utf-8") -> Expected:
             env = envelope.read_wide_msh(payload, wide)
             waivable = env is not None and env.accept_ack_type.strip().upper() in ("NE", "ER", "SU")
             return Expected(True, False, waivable, False)
-        except envelope.EnvelopeError:
+        except EnvelopeError:
             pass
     try:
         env: envelope.Envelope | None = envelope.read_msh(payload)
@@ -186,9 +229,9 @@ def expected(payload: bytes, channel_encoding: str = "utf-8") -> Expected:
     assert env is not None
     waivable = env.accept_ack_type.strip().upper() in ("NE", "ER", "SU")
     try:
-        envelope.decode_message(payload, envelope.resolve_codec(env.charset, channel_encoding))
+        charsets.decode_message(payload, charsets.resolve_codec(env.charset, channel_encoding))
         decodable = True
-    except (envelope.EnvelopeError, envelope.UnsupportedCharset):
+    except (EnvelopeError, UnsupportedCharset):
         decodable = False
     return Expected(True, env.is_ack, waivable, decodable and not env.is_ack)
 
@@ -247,9 +290,8 @@ def check_streamed(data: bytes, out: Streamed, limit: int) -> None:
     assert len(out.frames) <= len(handled), "more ACKs than frames"
 
 
-# -- the harness ---------------------------------------------------------------
+# -- the harnesses -------------------------------------------------------------
 
-MARK = b"\x0bHARNESS-MARK\x1c\r"
 _sentinels = count(1)
 
 
@@ -257,8 +299,8 @@ _sentinels = count(1)
 class Handled:
     """What one frame payload produced."""
 
-    acks: list[bytes]  # the ACK payloads the handler asked to write
-    wire_frames: list[bytes]  # the frames the sender decoded off the socket
+    acks: list[bytes]  # the ACK payloads the handler asked to write, one per write
+    wire_frames: list[bytes]  # the frames the sender decoded off those writes
     wire_junk: int  # bytes the sender's decoder had to skip (0 for well-formed frames)
     failed: list[str]  # frame_handling_failed error types (the last resort was needed)
     audited: int  # audit (nacked) rows added
@@ -284,8 +326,158 @@ class Streamed:
     logs: list[dict[str, Any]] = field(default_factory=list)
 
 
-class FrameHandler:
-    """The whole frame handler (``listener.Connection``) over a real connection; see the module docstring."""
+def _decode(data: bytes) -> tuple[list[bytes], int]:
+    """The frames a sender decodes from ``data``, and the bytes it skips."""
+    frames, junk = [], 0
+    for event in mllp.MllpDecoder(1 << 24).feed(data):
+        if isinstance(event, mllp.Frame):
+            frames.append(event.payload)
+        elif isinstance(event, mllp.JunkSkipped):
+            junk += event.count
+        else:
+            junk += event.size
+    return frames, junk
+
+
+def _first_frame(write: bytes) -> bytes:
+    """The ACK payload inside one write (the write itself if it holds no frame: a broken write)."""
+    frames, _ = _decode(write)
+    return frames[0] if frames else write
+
+
+class _Rows:
+    """Counting rows, read-only, beside the store."""
+
+    def __init__(self, db_path: Path) -> None:
+        self.db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=10)
+
+    def nacked(self) -> int:
+        return int(self.db.execute("SELECT count(*) FROM messages WHERE state = 'nacked'").fetchone()[0])
+
+    def stored(self, payload: bytes) -> int:
+        row = self.db.execute("SELECT count(*) FROM messages WHERE state <> 'nacked' AND body = ?", (payload,)).fetchone()
+        return int(row[0])
+
+    def close(self) -> None:
+        self.db.close()
+
+
+class _ManualClock:
+    """The core's clock, moved by the harness (the junk pause passes at once)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return time.time()
+
+
+class CoreHarness:
+    """The intake core and the real store, no loop, socket or thread; see the module docstring."""
+
+    def __init__(self, data_dir: Path, **channel: Any) -> None:
+        self.data_dir = data_dir
+        self.channel = ChannelSettings(name="fuzz", listen="127.0.0.1:0", **channel)
+        self.policy = channel_policy(self.channel, 30.0)
+        self.db_path = data_dir / "queue.db"
+        self.clock = _ManualClock()
+
+    def __enter__(self) -> CoreHarness:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # No fsync per commit (WAL, NORMAL): these properties are about answers, not power loss
+        # (durability has its own tests); the fuzz run gets through far more inputs.
+        conn = db.open_database(self.db_path, "harness", db.DatabaseOptions(synchronous="normal"), time.time())
+        self.store = SqliteStore(conn, db.load_queries(), db_path=self.db_path)
+        self.rows = _Rows(self.db_path)
+        self._connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if hasattr(self, "rows"):
+            self.rows.close()
+        if hasattr(self, "store"):
+            self.store.conn.close()
+
+    def _connect(self) -> None:
+        """A fresh connection: audit rows are bounded per connection and minute, each example gets its quota."""
+        self.conn = IntakeConnection(self.policy, self.clock)
+
+    def handle(self, payload: bytes) -> Handled:
+        if not self.conn.audit_quota_left():
+            self._connect()  # the bound itself is tested in tests/unit/test_intake_connection.py
+        before = self.rows.nacked()
+        self.conn._handle(mllp.Frame(payload))  # as the framer hands it over, whatever the bytes
+        self.conn.step()
+        writes, failed = self._drive()
+        wire, junk = _decode(b"".join(writes))
+        return Handled(acks=[_first_frame(w) for w in writes], wire_frames=wire,
+                       wire_junk=junk, failed=failed, audited=self.rows.nacked() - before,
+                       stored=self.rows.stored(payload))
+
+    def stream(self, data: bytes) -> Streamed:
+        cid = f"SENTINEL-{next(_sentinels)}"
+        self.conn.receive_data(data + mllp.encode_frame(hl7_message(cid)))
+        writes, failed = self._drive()
+        frames, junk = _decode(b"".join(writes))
+        marker = f"\rMSA|AA|{cid}|".encode()
+        last = next((n for n, frame in enumerate(frames) if marker in frame), None)
+        if last is None:
+            raise AssertionError(f"the sentinel {cid} got no AA: {frames[-3:]!r}")
+        if not self.conn.audit_quota_left():
+            self._connect()
+        return Streamed(frames=frames[:last], sentinel_ack=frames[last], wire_junk=junk, failed=failed,
+                        logs=self._logs)
+
+    def _drive(self) -> tuple[list[bytes], list[str]]:
+        """Apply every action until the core has nothing left to do; the writes and the last-resort uses."""
+        conn, store = self.conn, self.store
+        writes: list[bytes] = []
+        self._logs: list[dict[str, Any]] = []
+        while True:
+            actions = conn.next_actions()
+            if not actions:
+                if conn.more_to_do:
+                    conn.step()
+                    continue
+                if conn._resume_at is not None:  # the junk pause: time passes at once here
+                    self.clock.now = conn._resume_at
+                    conn.tick()
+                    continue
+                break
+            for action in actions:
+                if isinstance(action, Send):
+                    writes.append(action.frame)
+                    conn.written(action, True)
+                elif isinstance(action, Commit):
+                    try:
+                        with store.transaction():
+                            results = [store.intake(intake_item("fuzz", "harness", m)) for m in action.items]
+                    except StorageError as exc:
+                        conn.commit_failed(action.ticket, exc)
+                    else:
+                        conn.commit_done(action.ticket, results)
+                elif isinstance(action, Audit):
+                    try:
+                        with store.transaction():
+                            store.record_audit(audit_item("fuzz", "harness", action.record))
+                    except StorageError as exc:
+                        conn.audit_done(str(exc))
+                    else:
+                        conn.audit_done()
+                elif isinstance(action, RecordOutcome):
+                    with store.transaction():
+                        store.set_ack_outcome(action.message_id, action.outcome)
+                elif isinstance(action, Log):
+                    self._logs.append({"event": action.event, **action.fields})
+        failed = [str(e.get("error_type")) for e in self._logs if e["event"] == "frame_handling_failed"]
+        return writes, failed
+
+
+class SocketHarness:
+    """The whole shell over a real connection to a real listener; see the module docstring."""
 
     def __init__(self, data_dir: Path, **channel: Any) -> None:
         self.data_dir = data_dir
@@ -298,11 +490,11 @@ class FrameHandler:
 
     # -- lifecycle
 
-    def __enter__(self) -> FrameHandler:
+    def __enter__(self) -> SocketHarness:
         conn = db.open_database(self.db_path, "harness", db.DatabaseOptions(), time.time())
         self.writer = Writer(SqliteStore(conn, db.load_queries(), db_path=self.db_path))
         self.writer.start()
-        self.reader_db = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=10)
+        self.rows = _Rows(self.db_path)
         try:
             self.loop.run_until_complete(self._open())
         except BaseException:
@@ -322,7 +514,7 @@ class FrameHandler:
         host, port = self.sock.getsockname()[:2]
         self.client_reader, self.client_writer = await asyncio.open_connection(host, port)
         await until(lambda: set(self.listener.connections) - known, 10, "the harness connection accepted")
-        self.conn: Connection = next(iter(set(self.listener.connections) - known))
+        self.conn = next(iter(set(self.listener.connections) - known))
         self._decoder = mllp.MllpDecoder(1 << 24)
         self._pending = []
 
@@ -353,53 +545,46 @@ class FrameHandler:
             self.loop.run_until_complete(close())
         finally:
             self.loop.close()
-            if hasattr(self, "reader_db"):
-                self.reader_db.close()
+            if hasattr(self, "rows"):
+                self.rows.close()
             if hasattr(self, "writer"):
                 self.writer.close()
 
-    # -- one payload through the handler
+    # -- one payload, framed on the wire
 
     def handle(self, payload: bytes) -> Handled:
+        """``payload`` as one frame over the socket (so it must frame as one), then a sentinel's."""
+        assert [e for e in frames_in(mllp.encode_frame(payload), 1 << 24)] == [mllp.Frame(payload)], payload
         return self._run(self._handle(payload))  # type: ignore[no-any-return]
 
     async def _handle(self, payload: bytes) -> Handled:
-        if not self.conn._audit_quota_left():
-            # Audit rows are bounded per connection and minute (only counted
-            # beyond): each example is about one frame, so it gets a
-            # connection whose quota is not spent. The bound itself is tested
-            # in tests/integration/test_admission.py.
+        if not self.conn.core.audit_quota_left():
             self.client_writer.close()
             await self._connect()
-        # Audit rows of earlier frames (a stream's, submitted before its last
-        # ACK went out) must be committed before this frame's are counted.
-        await self.writer.run(lambda _s: None)
-        before = self._nacked()
+        await self.writer.run(lambda _s: None)  # earlier audit rows committed before these are counted
+        before = self.rows.nacked()
+        cid = f"SENTINEL-{next(_sentinels)}"
         with capture_logs() as logs:
-            reply = await self.conn._handle_frame(payload, time.time())
-            for ack, on_written in reply.acks:
-                written = await self.conn._write_ack(ack)
-                if on_written is not None:
-                    on_written(written)
-        await self.writer.run(lambda _s: None)  # audit rows are committed before they are counted
-        self.conn.writer.write(MARK)
-        await self.conn.writer.drain()
-        frames, junk = await self._read_until(lambda frame: frame == MARK[1:-2])
+            self.client_writer.write(mllp.encode_frame(payload) + mllp.encode_frame(hl7_message(cid)))
+            await self.client_writer.drain()
+            marker = f"\rMSA|AA|{cid}|".encode()
+            frames, junk = await self._read_until(lambda frame: marker in frame)
+        await self.writer.run(lambda _s: None)
         return Handled(
-            acks=[ack for ack, _ in reply.acks],
-            wire_frames=frames[:-1],
-            wire_junk=junk,
+            acks=frames[:-1], wire_frames=frames[:-1], wire_junk=junk,
             failed=[str(e.get("error_type")) for e in logs if e["event"] == "frame_handling_failed"],
-            audited=self._nacked() - before,
-            stored=self._stored(payload),
+            audited=self.rows.nacked() - before, stored=self.rows.stored(payload),
         )
 
-    # -- raw stream bytes through the connection's own read loop
+    # -- raw stream bytes through the connection's own reads
 
     def stream(self, data: bytes) -> Streamed:
         return self._run(self._stream(data))  # type: ignore[no-any-return]
 
     async def _stream(self, data: bytes) -> Streamed:
+        if not self.conn.core.audit_quota_left():
+            self.client_writer.close()
+            await self._connect()
         cid = f"SENTINEL-{next(_sentinels)}"
         sentinel = hl7_message(cid)
         with capture_logs() as logs:
@@ -437,15 +622,6 @@ class FrameHandler:
                     self._junk += event.count
                 else:
                     self._junk += event.size
-
-    def _nacked(self) -> int:
-        return int(self.reader_db.execute("SELECT count(*) FROM messages WHERE state = 'nacked'").fetchone()[0])
-
-    def _stored(self, payload: bytes) -> int:
-        row = self.reader_db.execute(
-            "SELECT count(*) FROM messages WHERE state <> 'nacked' AND body = ?", (payload,)
-        ).fetchone()
-        return int(row[0])
 
 
 def frames_in(data: bytes, limit: int) -> Iterator[mllp.Event]:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from agent.core import mllp
 from agent.core.acks import read_ack_code
-from agent.core.envelope import read_msh, resolve_codec
+from agent.core.charsets import resolve_codec
+from agent.core.envelope import read_msh
 from agent.errors import HL7Error
 
 _LINE_ENDINGS = re.compile(rb"\r\n|\n")

@@ -1,4 +1,4 @@
-"""Build and read HL7 v2 ACK messages (SPEC 4; HL7 tables 0008 and 0357).
+"""Build and read HL7 v2 ACK messages (docs/acks.md#how-an-ack-is-built; HL7 tables 0008 and 0357).
 
 Ours rather than ``hl7.create_ack``: that one omits the ERR segment, hard-codes
 parts of the MSH and breaks on a short inbound MSH. A broken MSH must still get
@@ -13,11 +13,10 @@ import uuid
 from datetime import datetime
 from enum import Enum, StrEnum
 
-from agent.core import envelope, mllp
+from agent.core import charsets, mllp
 from agent.core.envelope import DEFAULT_ENCODING_CHARS, DEFAULT_FIELD_SEP, Envelope
 
 __all__ = [
-    "DEFAULT_ERROR_CODE",
     "TABLE_0357",
     "AckCode",
     "Outcome",
@@ -44,7 +43,7 @@ class AckCode(StrEnum):
 
 
 class Outcome(Enum):
-    """What intake made of a frame; ``ack_code`` maps it to the SPEC 4 table."""
+    """What intake made of a frame; ``ack_code`` maps it to docs/acks.md#which-ack-for-which-situation."""
 
     COMMITTED = "committed"
     RESEND_LATER = "resend_later"  # storage failure, backpressure
@@ -54,7 +53,7 @@ class Outcome(Enum):
     TOO_LARGE = "too_large"  # frame over max_message_bytes
 
 
-# SPEC 4 table: outcome -> (original mode, enhanced mode).
+# docs/acks.md#which-ack-for-which-situation: outcome -> (original mode, enhanced mode).
 _ACK_CODES: dict[Outcome, tuple[AckCode, AckCode]] = {
     Outcome.COMMITTED: (AckCode.AA, AckCode.CA),
     Outcome.RESEND_LATER: (AckCode.AR, AckCode.CE),
@@ -62,17 +61,6 @@ _ACK_CODES: dict[Outcome, tuple[AckCode, AckCode]] = {
     Outcome.DUPLICATE_KEY: (AckCode.AE, AckCode.CE),
     Outcome.MALFORMED: (AckCode.AE, AckCode.CE),
     Outcome.TOO_LARGE: (AckCode.AE, AckCode.CE),
-}
-
-#: The ERR-3 code each outcome gets when the caller names none (SPEC 4 table);
-#: MALFORMED callers should pass the EnvelopeError's 101/102, UNSUPPORTED ones 200-203.
-DEFAULT_ERROR_CODE: dict[Outcome, int | None] = {
-    Outcome.COMMITTED: None,
-    Outcome.RESEND_LATER: 207,
-    Outcome.UNSUPPORTED: 200,
-    Outcome.DUPLICATE_KEY: 205,
-    Outcome.MALFORMED: 101,
-    Outcome.TOO_LARGE: 207,
 }
 
 #: HL7 table 0357, message error condition codes.
@@ -99,7 +87,7 @@ _VERSION_RE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
 
 def ack_code(outcome: Outcome, enhanced: bool) -> AckCode:
-    """The MSA-1 code for an intake outcome in original or enhanced mode (SPEC 4)."""
+    """The MSA-1 code for an intake outcome in original or enhanced mode (HL7 table 0008)."""
     original, enhanced_code = _ACK_CODES[outcome]
     return enhanced_code if enhanced else original
 
@@ -118,7 +106,7 @@ def _version_tuple(version_id: str, component_sep: str) -> tuple[int, int, int]:
 
 
 def _timestamp(now: datetime | None) -> str:
-    """MSH-7 as HL7 DTM with time zone: YYYYMMDDHHMMSS.ffff+ZZZZ (SPEC 4)."""
+    """MSH-7 as HL7 DTM with time zone: YYYYMMDDHHMMSS.ffff+ZZZZ (ten-thousandths of a second)."""
     if now is None:
         moment = datetime.now().astimezone()
     elif now.tzinfo is None:
@@ -135,7 +123,7 @@ def _usable_codec(codec: str) -> str:
     (``idna``, ``rot13``) or not ASCII-compatible; encoding with it can raise
     or produce bytes that break the MLLP framing.
     """
-    return envelope.text_codec(codec) or "ascii"
+    return charsets.text_codec(codec) or "ascii"
 
 
 def _recode(raw: str, codec: str) -> str:
@@ -218,7 +206,7 @@ def build_ack(
 ) -> bytes:
     """The ACK for ``inbound`` as bytes (no MLLP framing), segments ended by ``\\r``.
 
-    SPEC 4: sender's delimiters; MSH-3/4 <- inbound MSH-5/6 and MSH-5/6 <- MSH-3/4;
+    The sender's delimiters; MSH-3/4 <- inbound MSH-5/6 and MSH-5/6 <- MSH-3/4;
     MSH-7 now with zone; MSH-9 ``ACK^<trigger>^ACK``; new MSH-10; MSH-11/12 and
     MSH-18 copied; MSA-1 ``code``, MSA-2 inbound MSH-10, MSA-3 ``text``. Every
     non-accept carries ERR: ERR-3/ERR-4 from v2.5, ERR-1 and MSA-6 before.
@@ -235,7 +223,7 @@ def build_ack(
 
     if inbound is not None:
         trigger = copied(inbound.trigger_event)
-        # SPEC 4: MSH-11/12 copied, never a made-up value — an empty MSH-11
+        # MSH-11/12 copied, never a made-up value — an empty MSH-11
         # stays empty. Only a header so broken that MSH-12 is missing too (a
         # minimal reject) gets defaults: the ERR layout depends on the version.
         processing_id = copied(inbound.processing_id)
@@ -261,7 +249,7 @@ def build_ack(
         msa2 = copied(inbound_control_id)
         charset = ""
 
-    # MSH-9 is ACK^<trigger>^ACK for every version (SPEC 4). Before v2.3.1 the
+    # MSH-9 is ACK^<trigger>^ACK for every version. Before v2.3.1 the
     # third component (message structure) was not defined; receivers of
     # those versions ignore a component they do not know.
     msh9 = delims.component.join(("ACK", trigger, "ACK")) if trigger else "ACK"
@@ -314,19 +302,19 @@ def _wanted(ack_type: str, success: bool) -> bool:
 
 
 def commit_ack_wanted(inbound: Envelope, success: bool) -> bool:
-    """Whether the sender wants a commit ACK, per MSH-15 (SPEC 4)."""
+    """Whether the sender wants a commit ACK, per MSH-15 (HL7 table 0155)."""
     return _wanted(inbound.accept_ack_type, success)
 
 
 def application_ack_wanted(inbound: Envelope, success: bool) -> bool:
-    """Whether the sender wants an application ACK, per MSH-16 (SPEC 4)."""
+    """Whether the sender wants an application ACK, per MSH-16 (HL7 table 0155)."""
     return _wanted(inbound.application_ack_type, success)
 
 
 def app_ack_from_status(
     inbound: Envelope, status: int, codec: str, *, now: datetime | None = None
 ) -> bytes:
-    """The application ACK for a server answer without ``ack`` (SPEC 4).
+    """The application ACK for a server answer without ``ack`` (docs/acks.md#relayed-application-acks).
 
     AA for 2xx, else AE with ERR-3 207. Enhanced-mode senders get the same codes:
     application ACKs use AA/AE/AR, not the commit codes CA/CE/CR.

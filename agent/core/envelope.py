@@ -1,43 +1,36 @@
 """Read what intake needs from the MSH segment, on bytes, without parsing the message.
 
-SPEC 4: the hot path reads only the MSH fields; MSH-18 (the character set) is
-not known until the MSH is read, so the MSH segment is split as latin-1 - a
+The hot path reads only the MSH fields; MSH-18 (the character set) is not
+known until the MSH is read, so the MSH segment is split as latin-1 - a
 byte-transparent decoding: every byte maps to one character and back, the HL7
 delimiters are ASCII, and every field intake needs is ASCII in practice. The
 envelope's strings are therefore "bytes as text"; ``acks.build_ack`` re-decodes
 the ones it copies with the message's real codec.
 
-Also here: resolving MSH-18 / the channel ``encoding`` to a Python codec (HL7
-table 0211), strict decoding of the whole message with segment endings
-normalised to ``\\r`` (what ``hl7.parse`` and the upstream ``body`` expect), and
-setting one MSH field in the decoded text (MSH-13 stamping, SPEC 5).
+Also here: setting one MSH field in the decoded text (MSH-13 stamping,
+docs/protocol.md#sequence-numbers-and-msh-13). Resolving MSH-18 and decoding
+the whole message live in ``agent.core.charsets``.
 """
 
 from __future__ import annotations
 
-import codecs
-import encodings
-import encodings.aliases
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from agent.errors import EnvelopeError, UnsupportedCharset
+# decode_message: dispatcher.py still imports it from here (its own step moves that import).
+from agent.core.charsets import decode_message
+from agent.errors import EnvelopeError
 
 __all__ = [
-    "CHARSETS_0211",
     "DEFAULT_ENCODING_CHARS",
     "DEFAULT_FIELD_SEP",
-    "TEXT_CODECS",
     "Envelope",
     "MalformedMsh",
     "NoMshSegment",
     "decode_message",
     "read_msh",
-    "resolve_codec",
+    "read_wide_msh",
     "scrape_control_id",
     "set_msh_field",
-    "text_codec",
 ]
 
 DEFAULT_FIELD_SEP = "|"
@@ -50,7 +43,7 @@ _UTF8_BOM = b"\xef\xbb\xbf"
 
 
 class NoMshSegment(EnvelopeError):
-    """The frame does not start with an MSH segment: no ACK is owed (SPEC 4), audit only."""
+    """The frame does not start with an MSH segment: no ACK is owed, audit only (docs/acks.md#frames-that-get-no-answer)."""
 
 
 class MalformedMsh(EnvelopeError):
@@ -59,7 +52,7 @@ class MalformedMsh(EnvelopeError):
     ``partial`` holds what could be read (separators, MSH-3..6, MSH-10, ...) when
     the separators themselves were usable, so the reject ACK can still swap
     the applications and echo MSH-10; ``None`` when even the separators were bad
-    (the ACK then uses the default ``|^~\\&``, SPEC 4).
+    (the ACK then uses the default ``|^~\\&``: docs/acks.md#how-an-ack-is-built).
     """
 
     def __init__(
@@ -121,7 +114,7 @@ class Envelope:
 
     @property
     def enhanced(self) -> bool:
-        """MSH-15 or MSH-16 set: enhanced acknowledgment mode (HL7 2.9.3, SPEC 4)."""
+        """MSH-15 or MSH-16 set: enhanced acknowledgment mode (HL7 v2.5 section 2.9.3)."""
         return bool(self.accept_ack_type.strip() or self.application_ack_type.strip())
 
     @property
@@ -145,7 +138,7 @@ def _split_msh(data: bytes) -> tuple[str, int]:
         start += 1
     if data[start : start + 3] != b"MSH":
         raise NoMshSegment("no MSH segment at the start of the message", error_code=101)
-    # The MSH ends at its first \r, \n or \r\n (SPEC 4); bound the \n search by
+    # The MSH ends at its first \r, \n or \r\n; bound the \n search by
     # the \r found so a \r-ended message is never scanned past its first segment.
     end = data.find(b"\r", start)
     lf = data.find(b"\n", start, end if end >= 0 else n)
@@ -238,8 +231,8 @@ def read_msh(data: bytes) -> Envelope:
 def scrape_control_id(data: bytes) -> str:
     """Best-effort MSH-10 of a frame whose MSH ``read_msh`` rejected ("" if unreadable).
 
-    For MSA-2 of the minimal reject ACK (SPEC 4: MSA-2 empty when MSH-10 cannot
-    be read).
+    For MSA-2 of the minimal reject ACK (MSA-2 stays empty when MSH-10 cannot
+    be read: docs/acks.md#how-an-ack-is-built).
     """
     try:
         segment, _ = _split_msh(data)
@@ -251,180 +244,11 @@ def scrape_control_id(data: bytes) -> str:
     return fields[9].strip() if len(fields) > 9 else ""
 
 
-# HL7 table 0211 (alternate character sets) and the aliases senders use, to
-# Python codecs. Keys are normalised with _norm_charset(). UTF-16/32 map to
-# None: HL7 forbids them with MLLP, whose framing bytes must be single bytes.
-CHARSETS_0211: dict[str, str | None] = {
-    "ASCII": "ascii",
-    "8859/1": "iso8859-1",
-    "8859/2": "iso8859-2",
-    "8859/3": "iso8859-3",
-    "8859/4": "iso8859-4",
-    "8859/5": "iso8859-5",
-    "8859/6": "iso8859-6",
-    "8859/7": "iso8859-7",
-    "8859/8": "iso8859-8",
-    "8859/9": "iso8859-9",
-    "8859/15": "iso8859-15",
-    "UNICODE UTF-8": "utf-8",
-    "UTF-8": "utf-8",
-    "ISO IR6": "ascii",
-    "ISO IR 6": "ascii",
-    "ISO IR100": "iso8859-1",
-    "ISO IR 100": "iso8859-1",
-    "ISO IR192": "utf-8",
-    "ISO IR 192": "utf-8",
-    # ISO 2022 (7-bit, escape sequences; the MLLP framing bytes never occur).
-    "ISO IR14": "iso2022_jp",
-    "ISO IR87": "iso2022_jp",
-    "ISO IR159": "iso2022_jp_2",
-    "SJIS": "cp932",
-    "GB 18030-2000": "gb18030",
-    "KS X 1001": "euc_kr",  # KS X 1001 as sent over 8-bit links: EUC-KR
-    "BIG-5": "big5",
-    "UNICODE": None,
-    "UNICODE UTF-16": None,
-    "UNICODE UTF-32": None,
-}
-
-#: Python codecs of the same text encodings as table 0211 names, besides the
-#: ones the table maps to: Shift_JIS itself (``SJIS`` maps to its superset cp932).
-_SAME_ENCODINGS = ("shift_jis",)
-
-_WS = re.compile(r"[\s_]+")
-# A character set name as it can appear in MSH-18 or the channel ``encoding``:
-# printable ASCII letters, digits and the punctuation table 0211 and Python
-# codec names use. Anything else (a NUL, control bytes, 1 MB of junk) is no
-# name, and never reaches Python's codec registry.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._/-]{0,63}")
-# What an HL7/MLLP codec must encode byte-for-byte like ASCII: the framing and
-# the default delimiters. Rejects UTF-16/32, UTF-7, EBCDIC and non-text codecs.
-_STRUCTURE = "MSH|^~\\&#\r\n\x0b\x1c 0123456789AZaz"
-_STRUCTURE_BYTES = _STRUCTURE.encode("ascii")
-
-
-def _norm_charset(name: str) -> str:
-    return _WS.sub(" ", name.strip()).upper()
-
-
-def _py_key(name: str) -> str:
-    """A Python codec name normalised like ``encodings.search_function`` does it."""
-    return encodings.normalize_encoding(name).lower()
-
-
-def _build_python_names() -> tuple[dict[str, str], frozenset[str]]:
-    """Python names (and ``encodings.aliases``) of the accepted codecs, and of UTF-16/32.
-
-    Built once from the targets of table 0211, so the hot path is a dict lookup
-    and a sender's MSH-18 is never handed to ``codecs.lookup``, which accepts
-    transforms (``idna``, ``rot13``, ``zlib``...) and raises ValueError on a NUL.
-    """
-    targets = {codec for codec in CHARSETS_0211.values() if codec} | set(_SAME_ENCODINGS)
-    accepted: dict[str, str] = {}
-    module_of: dict[str, str] = {}
-    for target in targets:
-        canonical = codecs.lookup(target).name
-        if _STRUCTURE.encode(canonical) != _STRUCTURE_BYTES:  # pragma: no cover - table error
-            raise AssertionError(f"{target} does not encode HL7 delimiters as ASCII")
-        key = _py_key(target)
-        module = encodings.aliases.aliases.get(key, key)
-        module_of[module] = canonical
-        for name in (key, _py_key(canonical), module):
-            accepted[name] = canonical
-    for alias, module in encodings.aliases.aliases.items():
-        if module in module_of:
-            accepted[alias] = module_of[module]
-    wide_modules = {"utf_16", "utf_16_le", "utf_16_be", "utf_32", "utf_32_le", "utf_32_be"}
-    wide = {alias for alias, module in encodings.aliases.aliases.items() if module in wide_modules}
-    return accepted, frozenset(wide | wide_modules | {"utf_16le", "utf_16be", "utf_32le", "utf_32be"})
-
-
-_PYTHON_NAMES, _WIDE_NAMES = _build_python_names()
-#: The canonical Python codecs intake ever decodes with (and ACKs are encoded in).
-TEXT_CODECS: frozenset[str] = frozenset(_PYTHON_NAMES.values())
-
-
-def _quoted(name: str) -> str:
-    """``name`` for a message: bounded and with control characters escaped (repr)."""
-    return repr(name[:40] + ("..." if len(name) > 40 else ""))
-
-
-def text_codec(name: str) -> str | None:
-    """The canonical Python codec of a table 0211 name or a Python name of one, else None.
-
-    None for UTF-16/32 (forbidden with MLLP), for transforms and for anything
-    that is no character set. Never raises.
-    """
-    stripped = name.strip()
-    if not _NAME.fullmatch(stripped):
-        return None
-    key = _norm_charset(stripped)
-    if key in CHARSETS_0211:
-        mapped = CHARSETS_0211[key]
-        return None if mapped is None else _PYTHON_NAMES[_py_key(mapped)]
-    py = _py_key(stripped)
-    return _PYTHON_NAMES.get(py) or _PYTHON_NAMES.get(py.replace(".", "_"))
-
-
-def _resolve_one(name: str) -> str:
-    codec = text_codec(name)
-    if codec is not None:
-        return codec
-    stripped = name.strip()
-    wide = _NAME.fullmatch(stripped) is not None and (
-        CHARSETS_0211.get(_norm_charset(stripped), "") is None or _py_key(stripped) in _WIDE_NAMES
-    )
-    if wide:
-        raise UnsupportedCharset(
-            f"character set {_quoted(stripped)} (UTF-16/UTF-32) is forbidden with MLLP", error_code=102
-        )
-    # HL7 table 0357: 103 table value not found (the value is no table 0211 character set).
-    raise UnsupportedCharset(f"unknown character set {_quoted(stripped)}", error_code=103)
-
-
-def resolve_codec(msh18: str, channel_encoding: str) -> str:
-    """Python codec for a message: MSH-18 if set, else the channel's ``encoding``.
-
-    Both take HL7 table 0211 names (``8859/1``, ``UNICODE UTF-8``) or Python
-    names of those same text encodings (``latin-1``, ``utf8``); ``""`` for the
-    channel means utf-8. Raises UnsupportedCharset: 102 for UTF-16/32 (HL7
-    forbids them with MLLP), 103 for every other name, Python codecs that are
-    transforms (``idna``, ``rot13``, ``base64``) or other character sets included.
-    Never raises anything else, whatever the bytes of the name.
-    """
-    if msh18.strip():
-        return _resolve_one(msh18)
-    return _resolve_one(channel_encoding if channel_encoding.strip() else "utf-8")
-
-
-def decode_message(data: bytes, codec: str) -> str:
-    """Decode strictly and normalise segment ends to ``\\r`` (the upstream ``body``, SPEC 5).
-
-    ``\\r\\n`` and lone ``\\n`` become ``\\r``; blank lines are dropped; every
-    segment ends in ``\\r``; leading blanks or a BOM before ``MSH`` are dropped
-    (``read_msh`` tolerates them too). Undecodable bytes are the sender's data
-    type error: EnvelopeError 102.
-    """
-    try:
-        text = data.decode(codec)
-    except UnicodeDecodeError as exc:
-        raise EnvelopeError(
-            f"bytes not valid {codec} at offset {exc.start}", error_code=102
-        ) from None
-    except LookupError:
-        raise UnsupportedCharset(f"unknown character set {codec!r}", error_code=102) from None
-    text = text.lstrip("\ufeff\r\n \t")
-    text = text.replace("\r\n", "\r").replace("\n", "\r")
-    segments = [seg for seg in text.split("\r") if seg.strip()]
-    if not segments:
-        return ""
-    return "\r".join(segments) + "\r"
-
-
 def set_msh_field(text: str, field_number: int, value: str) -> str:
     """Return ``text`` (decoded, normalised) with MSH-``field_number`` set to ``value``.
 
-    Used to stamp MSH-13 = seq (SPEC 5, ``assign_sequence_numbers``). Missing
+    Used to stamp MSH-13 = seq (``assign_sequence_numbers``,
+    docs/protocol.md#sequence-numbers-and-msh-13). Missing
     fields are padded; ``value`` is inserted as is (the caller escapes if needed).
     """
     if field_number < 2:
@@ -439,63 +263,6 @@ def set_msh_field(text: str, field_number: int, value: str) -> str:
         fields.extend([""] * (field_number - len(fields)))
     fields[field_number - 1] = value
     return sep.join(fields) + rest
-
-
-def unsupported_reason(
-    env: Envelope,
-    *,
-    message_types: Sequence[str] = (),
-    processing_ids: Sequence[str] = (),
-    versions: Sequence[str] = (),
-) -> tuple[int, str] | None:
-    """Why a channel that restricts what it takes refuses ``env``: (ERR-3 code, text), or None.
-
-    HL7 table 0357: 200 unsupported message type, 201 unsupported event code,
-    202 unsupported processing id, 203 unsupported version id (SPEC 4: AR/CR).
-    ``message_types`` entries are "ADT" (every event) or "ADT^A01"; a version
-    "2.5" also admits "2.5.1". Empty lists restrict nothing.
-    """
-    code = env.message_code.upper()
-    event = env.trigger_event.upper()
-    if message_types:
-        codes = {t.split("^", 1)[0] for t in message_types}
-        if code not in codes:
-            return 200, f"message type {code} is not accepted on this channel"
-        if code not in message_types and f"{code}^{event}" not in message_types:
-            return 201, f"event {code}^{event} is not accepted on this channel"
-    if processing_ids:
-        processing = env.processing_id.split(env.component_sep, 1)[0].strip()
-        if processing not in processing_ids:
-            return 202, f"processing id {processing or '(empty)'} is not accepted on this channel"
-    if versions:
-        version = env.version
-        if not any(version == v or version.startswith(v + ".") for v in versions):
-            return 203, f"version {version} is not accepted on this channel"
-    return None
-
-
-# Byte patterns of a frame that starts "MSH" (or a BOM) in a wide encoding.
-# HL7 forbids UTF-16/32 with MLLP; such a frame still gets a reject (SPEC 4),
-# not the silence owed to a frame with no MSH at all.
-_WIDE_STARTS: tuple[tuple[bytes, str], ...] = (
-    (b"\xff\xfe\x00\x00", "utf-32"),
-    (b"\x00\x00\xfe\xff", "utf-32"),
-    (b"\xff\xfe", "utf-16"),
-    (b"\xfe\xff", "utf-16"),
-    (b"M\x00\x00\x00S\x00\x00\x00H\x00\x00\x00", "utf-32-le"),
-    (b"\x00\x00\x00M\x00\x00\x00S\x00\x00\x00H", "utf-32-be"),
-    (b"M\x00S\x00H\x00", "utf-16-le"),
-    (b"\x00M\x00S\x00H", "utf-16-be"),
-)
-
-
-def sniff_wide_encoding(data: bytes) -> str | None:
-    """The UTF-16/32 codec a frame is written in, when it starts with a BOM or a wide "MSH"."""
-    head = data.lstrip(b"\r\n")[:16]
-    for prefix, codec in _WIDE_STARTS:
-        if head.startswith(prefix):
-            return codec
-    return None
 
 
 def read_wide_msh(data: bytes, codec: str) -> Envelope | None:

@@ -1,8 +1,8 @@
-"""Sans-I/O MLLP framer: bytes in, events out (SPEC 4, HL7 v2 MLLP release 2 framing).
+"""Sans-I/O MLLP framer: bytes in, events out (HL7 v2 MLLP release 2 framing).
 
 Like websockets' protocol objects, the decoder never touches a socket: the
-listener feeds it whatever ``read()`` returned and acts on the events it gets
-back. Keeping it pure lets the tests split input at every byte offset without
+intake connection (agent.core.intake) feeds it whatever the socket delivered
+and acts on the events it gets back. Keeping it pure lets the tests split input at every byte offset without
 an event loop.
 
 Framing is ``<VT> payload <FS><CR>`` (0x0B ... 0x1C 0x0D). The decoder is
@@ -93,7 +93,8 @@ class OversizeFrame:
     """A frame that ended but exceeded the limit; only its first bytes were kept.
 
     ``prefix`` is the first ``min(max_message_bytes, 64 KiB)`` bytes (to read the
-    MSH for the reject ACK, SPEC 4), ``size`` the full payload length.
+    MSH for the reject ACK: docs/acks.md#which-ack-for-which-situation), ``size``
+    the full payload length.
     """
 
     prefix: bytes
@@ -132,7 +133,7 @@ class MllpDecoder:
         # Payload length of the current frame (counted even when not buffered).
         self._size = 0
         # The last byte fed was an FS inside a frame: the next byte decides
-        # whether it ended the frame (CR) or was payload (SPEC 4: split anywhere).
+        # whether it ended the frame (CR) or was payload (a read may split anywhere).
         self._pending_fs = False
         # Junk counted in this feed() call, not yet reported.
         self._junk = 0
@@ -187,7 +188,7 @@ class MllpDecoder:
                     self._finish_frame(events)
                     pos += 1
                     continue
-                # FS not followed by CR is payload (SPEC 4).
+                # FS not followed by CR is payload.
                 self._append(b"\x1c")
 
             if next_end == -2 or (0 <= next_end < pos):
@@ -239,8 +240,8 @@ class MllpDecoder:
         if self._size <= self._max:
             self._buf += chunk
             return
-        # Just crossed the limit: keep the prefix, stop buffering (SPEC 4:
-        # "discarded without buffering it whole").
+        # Just crossed the limit: keep the prefix, stop buffering (an oversize
+        # frame is discarded without ever being buffered whole).
         need = self._prefix_limit - len(self._buf)
         if need > 0:
             self._buf += chunk[:need]

@@ -1,4 +1,4 @@
-"""Live sender connections handed to the successor during an upgrade (SPEC 7).
+"""Live sender connections handed to the successor during an upgrade (docs/deploy.md).
 
 Closing a connection "after its current message" has a race no server can
 win alone: a sender that streams sends its next frame right after reading an
@@ -38,13 +38,14 @@ import json
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from agent.core.envelope import Envelope
+from agent.core.intake_types import NOTHING_OWED, Owed, OwedFrame, OwedRelay, OwedReply, OwedWait
 from agent.errors import HandoverError
 from agent.runtime.aio import cancel_and_wait
 from agent.runtime.sockets import (
@@ -55,6 +56,22 @@ from agent.runtime.sockets import (
     read_line,
     send_all,
 )
+
+__all__ = [
+    "ADOPT_SOCKET",
+    "MAX_BUFFERED",
+    "NOTHING_OWED",
+    "Adopter",
+    "AdoptionServer",
+    "Owed",
+    "OwedFrame",
+    "OwedRelay",
+    "OwedReply",
+    "OwedWait",
+    "hand_over",
+    "owed_from",
+    "owed_json",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -69,58 +86,6 @@ MAX_BUFFERED = 8 * 1024 * 1024
 MAX_OWED_BYTES = 4 * 1024 * 1024
 _MAX_LINE = MAX_BUFFERED * 4 // 3 + MAX_OWED_BYTES + 4096
 
-
-@dataclass(frozen=True)
-class OwedFrame:
-    """An ACK frame ready to write, and the row whose ``ack_outcome`` its write settles (None: none)."""
-
-    frame: bytes
-    message_id: str | None = None
-
-
-@dataclass(frozen=True)
-class OwedRelay:
-    """An enhanced-mode application ACK to relay when the row settles, if MSH-16 asks for it."""
-
-    message_id: str
-    inbound: Envelope
-
-
-@dataclass(frozen=True)
-class OwedWait:
-    """An application ACK the sender waits for (original mode, ``ack = "application"``).
-
-    ``timeout`` is what is left of ``application_ack_timeout``; after it the
-    sender gets AR "resend later" instead.
-    """
-
-    message_id: str
-    inbound: Envelope
-    codec: str
-    timeout: float
-
-
-@dataclass(frozen=True)
-class OwedReply:
-    """One answer the sender waits for: ready frames (then, maybe, a relay after them), or a held ACK."""
-
-    frames: tuple[OwedFrame, ...] = ()
-    relay: OwedRelay | None = None
-    wait: OwedWait | None = None
-
-
-@dataclass(frozen=True)
-class Owed:
-    """Everything a connection still owes its sender, in arrival order."""
-
-    replies: tuple[OwedReply, ...] = ()
-    relays: tuple[OwedRelay, ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.replies or self.relays)
-
-
-NOTHING_OWED = Owed()
 
 #: (channel, connected socket, remote, bytes read but not handled, what is owed) -> served?
 Adopter = Callable[[str, socket.socket, str, bytes, Owed], Awaitable[bool]]

@@ -8,6 +8,8 @@ addresses come from binding the client side to 127.0.0.2, 127.0.0.3, ...
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,7 +21,7 @@ from structlog.testing import capture_logs
 from agent.app.config import AdminSettings, AgentSettings, ChannelSettings, QueueSettings, Settings
 from agent.app.service import Agent
 from agent.core import mllp
-from agent.runtime.mllp_server import AUDIT_ROWS_PER_WINDOW, MAX_PENDING_RELAYS
+from agent.core.intake import AUDIT_ROWS_PER_WINDOW, MAX_PENDING_RELAYS
 
 
 def run_agent(tmp_path: Path, scenario: Callable[[Agent, int], Awaitable[None]], **channel: Any) -> None:
@@ -176,6 +178,35 @@ class TestEviction:
         run_agent(tmp_path, scenario, max_connections=2)
 
 
+class TestResetConnections:
+    def test_a_reset_connection_holding_an_application_ack_frees_its_place_at_once(self, tmp_path: Path) -> None:
+        """A sender that resets while its application ACK is held (original mode, no server) no longer counts
+        against max_connections until application_ack_timeout: its place goes to the next sender at once, and
+        the held ACK is recorded undelivered (replayed on retransmit)."""
+
+        async def scenario(agent: Agent, port: int) -> None:
+            gone = await Sender.open(port)
+            await gone.send(hl7_message("HELD-THEN-RESET"))
+            await until(lambda: db_rows(tmp_path / "data" / "queue.db",
+                                        "SELECT 1 FROM messages WHERE control_id = 'HELD-THEN-RESET'"),
+                        what="the held message committed")
+            sock = gone.writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+            gone.close()
+            await until(lambda: listener_connections(agent) == 0, timeout=5, what="the reset connection gone")
+            newcomer = await Sender.open(port)
+            try:
+                await newcomer.send(hl7_message("NEXT"))
+                assert not await newcomer.closed_by_agent(0.5), "the newcomer was refused"
+            finally:
+                newcomer.close()
+            await until(lambda: db_rows(tmp_path / "data" / "queue.db",
+                                        "SELECT ack_outcome FROM messages WHERE control_id = 'HELD-THEN-RESET'")
+                        == [("undelivered",)], what="the held ACK recorded undelivered")
+
+        run_agent(tmp_path, scenario, ack="application", max_connections=1)
+
+
 class TestRefusal:
     def test_busy_connections_are_kept_and_the_newcomer_is_refused_logged_once(self, tmp_path: Path) -> None:
         """Connections in the middle of a frame are never evicted; newcomers are closed at once, logged once per source per minute."""
@@ -185,7 +216,7 @@ class TestRefusal:
             message = [hl7_message(f"BUSY-{n}") for n in range(2)]
             for conn, body in zip(busy, message, strict=True):
                 await conn.send(mllp.START_BLOCK + body[:20], raw=True)  # a frame started, not finished
-            await until(lambda: all(c.decoder.mid_frame for c in agent.listeners[0].connections)
+            await until(lambda: all(c.core.mid_frame for c in agent.listeners[0].connections)
                         and listener_connections(agent) == 2, what="2 connections mid-frame")
             for attempt in range(3):
                 newcomer = await Sender.open(port, "127.0.0.9")
@@ -222,7 +253,7 @@ class TestRefusal:
                 # Every connection of the source busy: the next one is refused.
                 await mine[1].send(mllp.START_BLOCK + b"MSH|", raw=True)
                 await third.send(mllp.START_BLOCK + b"MSH|", raw=True)
-                await until(lambda: sum(c.decoder.mid_frame for c in agent.listeners[0].connections) == 2,
+                await until(lambda: sum(c.core.mid_frame for c in agent.listeners[0].connections) == 2,
                             what="the source's two connections mid-frame")
                 refused = await Sender.open(port, "127.0.0.3")
                 assert await refused.closed_by_agent(5)
@@ -373,7 +404,7 @@ class TestRelayBound:
                 for _ in range(MAX_PENDING_RELAYS + extra):
                     assert ack_code(await sender.read_ack()) == "CA"
                 conn = next(iter(agent.listeners[0].connections))
-                await until(lambda: len(conn.relay_tasks) == MAX_PENDING_RELAYS, what="relays bounded")
+                await until(lambda: conn.core.relays_awaited == MAX_PENDING_RELAYS, what="relays bounded")
                 await until(lambda: len(db_rows(tmp_path / "data" / "queue.db",
                                                 "SELECT 1 FROM messages WHERE ack_outcome = 'undelivered'")) == extra,
                             what="overflow recorded undelivered")

@@ -16,7 +16,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from agent.app.config import ChannelSettings
-from agent.core import envelope, mllp
+from agent.core import intake_policy, mllp
 from agent.storage import sqlite as db
 from agent.storage.store import IntakeItem, SqliteStore
 from tests.agenttest import (
@@ -195,14 +195,14 @@ class TestHandlerFailure:
     ) -> None:
         """A fault no real input causes any more (so it is injected): the sender still gets AE 207, an audit row is kept.
 
-        ``envelope.unsupported_reason`` is replaced by one that raises with
+        ``intake_policy.unsupported_reason`` is replaced by one that raises with
         message text in its error; the log names only the exception type.
         """
 
         def broken(*_args: object, **_kwargs: object) -> None:
             raise RuntimeError("PID|1||SECRET-PATIENT")
 
-        monkeypatch.setattr(envelope, "unsupported_reason", broken)
+        monkeypatch.setattr(intake_policy, "unsupported_reason", broken)
 
         async def scenario(port: int) -> None:
             wire = await Wire.open(port)

@@ -1,4 +1,4 @@
-"""UTF-16/32 is forbidden by HL7 over MLLP: such frames are rejected with an ACK, never silently dropped (SPEC 4)."""
+"""UTF-16/32 is forbidden by HL7 over MLLP: such frames are rejected with an ACK, never silently dropped (docs/acks.md#character-sets)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 from agenttest import ack_code, db_rows, err3, exchange, hl7_message, msa2, run_with_agent
 
 from agent.app.config import ChannelSettings
-from agent.core.envelope import read_wide_msh, sniff_wide_encoding
+from agent.core.charsets import sniff_wide_encoding
+from agent.core.envelope import read_wide_msh
 
 
 class TestSniff:

@@ -1,4 +1,4 @@
-"""ACK building and reading (SPEC 4; HL7 tables 0008, 0155, 0357)."""
+"""ACK building and reading (docs/acks.md#how-an-ack-is-built; HL7 tables 0008, 0155, 0357)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from agent.core.acks import (
     read_ack_code,
     relayed_ack,
 )
-from agent.core.envelope import TEXT_CODECS, Envelope, MalformedMsh, read_msh, scrape_control_id
+from agent.core.charsets import TEXT_CODECS
+from agent.core.envelope import Envelope, MalformedMsh, read_msh, scrape_control_id
 from agent.errors import EnvelopeError
 
 Sample = Callable[[str], bytes]
@@ -61,7 +62,7 @@ class TestAckCodeTable:
         ],
     )
     def test_spec_table(self, outcome: Outcome, original: AckCode, enhanced: AckCode) -> None:
-        """Each SPEC 4 row maps to its original-mode and enhanced-mode code."""
+        """Each row of docs/acks.md#which-ack-for-which-situation maps to its original-mode and enhanced-mode code."""
         assert ack_code(outcome, enhanced=False) is original
         assert ack_code(outcome, enhanced=True) is enhanced
 
@@ -127,7 +128,7 @@ class TestBuildAckMsh:
         assert segments(build_ack(inbound, AckCode.AA))[0][8] == "ACK"
 
     def test_pre_231_msh9_follows_the_spec_too(self) -> None:
-        """SPEC 4 fixes MSH-9 as ACK^<trigger>^ACK for every version, v2.3 included."""
+        """MSH-9 is ACK^<trigger>^ACK for every version, v2.3 included."""
         inbound = env("MSH|^~\\&|A|B|C|D|||ADT^A01|5|P|2.3")
         assert segments(build_ack(inbound, AckCode.AA))[0][8] == "ACK^A01^ACK"
 
@@ -234,7 +235,7 @@ class TestBuildAckErr:
         assert segments(ack)[1][3] == "a\\F\\b\\S\\c\\R\\d\\E\\e\\T\\f g"
 
     def test_all_0357_codes_have_text(self) -> None:
-        """Table 0357 covers the codes the SPEC uses."""
+        """Table 0357 covers the codes docs/acks.md#error-codes uses."""
         for code in (0, 100, 101, 102, 103, 200, 201, 202, 203, 204, 205, 206, 207):
             assert TABLE_0357[code]
 
@@ -369,7 +370,7 @@ class TestReadAckCode:
 
 class TestCopiedNeverInvented:
     def test_empty_msh11_stays_empty(self) -> None:
-        """An empty inbound MSH-11 is copied as empty, never replaced by a hard-coded P (SPEC 4)."""
+        """An empty inbound MSH-11 is copied as empty, never replaced by a hard-coded P."""
         inbound = read_msh(b"MSH|^~\\&|A|B|C|D|20260101||ADT^A01|X1||2.5.1\r")
         msh = segments(build_ack(inbound, AckCode.AA))[0]
         assert msh[10] == ""

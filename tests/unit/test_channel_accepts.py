@@ -1,10 +1,11 @@
-"""Channels that restrict what they take: HL7 table 0357 codes 200-203 (SPEC 4)."""
+"""Channels that restrict what they take: HL7 table 0357 codes 200-203 (answered AR/CR)."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.core.envelope import read_msh, unsupported_reason
+from agent.core.envelope import read_msh
+from agent.core.intake_policy import unsupported_reason
 
 
 def env(msh9: str = "ADT^A01", processing: str = "P", version: str = "2.5.1"):  # noqa: ANN201

@@ -1,4 +1,4 @@
-"""Reading the MSH envelope on bytes, resolving charsets, decoding and MSH stamping (SPEC 4, 5)."""
+"""Reading the MSH envelope on bytes, resolving charsets, decoding and MSH stamping."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from intakefuzz import CHARSET_VALUES, CORPUS, mutate
 
-from agent.core import envelope
+from agent.core import charsets, envelope
+from agent.core.charsets import decode_message, resolve_codec
 from agent.core.envelope import (
     Envelope,
     MalformedMsh,
     NoMshSegment,
-    decode_message,
     read_msh,
-    resolve_codec,
     scrape_control_id,
     set_msh_field,
 )
@@ -310,9 +309,9 @@ class TestResolveCodec:
     def test_text_codecs_are_all_ascii_compatible(self) -> None:
         """Every codec intake can ever decode with encodes the MLLP framing and the delimiters as ASCII."""
         structure = "MSH|^~\\&\r\n\x0b\x1c 09AZaz"
-        for codec in envelope.TEXT_CODECS:
+        for codec in charsets.TEXT_CODECS:
             assert structure.encode(codec) == structure.encode("ascii"), codec
-            assert envelope.text_codec(codec) == codec
+            assert charsets.text_codec(codec) == codec
 
 
 class TestDecodeMessage:
@@ -444,7 +443,7 @@ class TestMshReaderProperties:
     def test_helpers_never_raise(self, payload: bytes) -> None:
         """The best-effort readers a reject ACK relies on never raise."""
         scrape_control_id(payload)
-        wide = envelope.sniff_wide_encoding(payload)
+        wide = charsets.sniff_wide_encoding(payload)
         if wide is not None:
             envelope.read_wide_msh(payload, wide)
 
@@ -463,11 +462,11 @@ class TestResolverProperties:
         if codes:
             assert codes <= {102, 103}
             return
-        assert codec in envelope.TEXT_CODECS
+        assert codec in charsets.TEXT_CODECS
         assert resolve_codec("", name) == codec  # the channel key takes the same names
 
     @PROPERTY
-    @given(st.binary(max_size=300), st.sampled_from(sorted(envelope.TEXT_CODECS)))
+    @given(st.binary(max_size=300), st.sampled_from(sorted(charsets.TEXT_CODECS)))
     def test_decode_raises_only_envelope_errors(self, payload: bytes, codec: str) -> None:
         """Decoding any bytes with an accepted codec gives CR-ended text or EnvelopeError 102."""
         try:

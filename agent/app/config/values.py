@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BeforeValidator, Field
 
-from agent.core.envelope import resolve_codec
+from agent.core.charsets import resolve_codec
 from agent.errors import UnsupportedCharset
 
 KiB = 1024
