@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -28,6 +28,12 @@ from agent import __version__
 from agent.runtime import logs
 
 log = structlog.get_logger(__name__)
+
+# No ``<counter>_created`` / ``<histogram>_created`` series: each is a start
+# timestamp per label set, which nobody graphs or alerts on and which doubles
+# the series a scrape carries. prometheus-client's switch is process-wide; the
+# daemon has no other registry it could matter to.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 #: Dispatch latency buckets, 5 ms .. 60 s: a LAN server answers in milliseconds,
 #: an application-ACK round trip through an EHR can take tens of seconds, and

@@ -281,6 +281,39 @@ class TestMetrics:
         assert headers["content-type"].startswith("application/openmetrics-text")
         assert body.endswith(b"# EOF\n")
 
+    def test_no_created_series_and_every_other_series_kept(
+        self, server: AdminServer, metrics: AgentMetrics
+    ) -> None:
+        """No `_created` sample in either format; every counter, histogram and gauge series stays."""
+        metrics.message_received("adt")
+        metrics.message_committed("adt")
+        metrics.message_rejected("adt", "AE")
+        metrics.message_settled("adt", "processed")
+        metrics.observe_dispatch_latency("adt", 0.02)
+        metrics.connection_opened("adt")
+        metrics.connection_refused("adt", "busy")
+        metrics.connection_evicted("adt")
+        metrics.connection_timed_out("adt", "idle")
+        metrics.audit_row_not_stored("adt")
+        names = {name for name, _labels in scrape(server)}
+        assert not [n for n in names if n.endswith("_created")]
+        expected = {
+            "hl7_agent_messages_received_total", "hl7_agent_messages_committed_total",
+            "hl7_agent_messages_rejected_total", "hl7_agent_messages_settled_total",
+            "hl7_agent_dispatch_latency_seconds_bucket", "hl7_agent_dispatch_latency_seconds_count",
+            "hl7_agent_dispatch_latency_seconds_sum", "hl7_agent_upstream_connected",
+            "hl7_agent_lease_held", "hl7_agent_connections_open",
+            "hl7_agent_connections_refused_total", "hl7_agent_connections_evicted_total",
+            "hl7_agent_connections_timed_out_total", "hl7_agent_audit_rows_not_stored_total",
+            "hl7_agent_info", "hl7_agent_stats_up", "hl7_agent_queue_depth", "hl7_agent_messages",
+            "hl7_agent_oldest_queued_age_seconds", "hl7_agent_channel_paused",
+            "hl7_agent_db_size_bytes", "hl7_agent_wal_size_bytes",
+            "hl7_agent_log_lines_dropped_total",
+        }  # fmt: skip
+        assert expected <= names, expected - names
+        _, _, body = request(server, "GET", "/metrics", headers={"Accept": "application/openmetrics-text"})
+        assert b"_created" not in body and b"hl7_agent_messages_committed_total" in body
+
     def test_two_instances_do_not_collide(self) -> None:
         """Two AgentMetrics in one process keep separate registries."""
         a, b = AgentMetrics(), AgentMetrics()
