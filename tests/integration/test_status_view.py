@@ -13,7 +13,13 @@ from pathlib import Path
 from agenttest import run_async as run
 from agenttest import until
 
+from agent.core.states import State
+from tests.integration import test_store_contract as contract
 from tests.integration.test_dispatch import agent_running, dev_server, settings_for, url
+from tests.integration.test_store_contract import Harness, acquire, holder, queue_n, send
+
+#: The contract's fixture: a fresh store per test, for every backend it is parametrised by.
+harness = contract.harness
 
 
 class TestUpstreamSince:
@@ -38,3 +44,69 @@ class TestUpstreamSince:
                     assert down_at > up_at and not dispatcher.upstream_state()["connected"]
 
         run(scenario())
+
+
+class TestChannelActivity:
+    """The store's facts per channel (any backend: written against the contract harness)."""
+
+    def test_an_unknown_or_empty_channel_has_nothing(self, harness: Harness) -> None:
+        """No head, nothing received or delivered, not paused."""
+        (empty,) = harness.store.channel_activity(["adt"])
+        assert (empty.channel, empty.head, empty.last_received_at, empty.last_settled) == ("adt", None, None, None)
+        assert not empty.paused and empty.paused_at is None and empty.paused_reason is None
+        assert harness.store.live_depth() == 0
+
+    def test_head_retrying_behind_a_delivered_row(self, harness: Harness) -> None:
+        """The head's attempts, backoff and last error; the last row in and the last one out."""
+        ids = queue_n(harness, 3)
+        queue_n(harness, 2, "lab")
+        epoch = acquire(harness, holder("h1"))
+        first = send(harness, "h1", epoch, ids[0])
+        harness.clock.advance(2)
+        delivered_at = harness.clock.now
+        assert harness.tx(lambda s: s.settle("h1", epoch, ids[0], first, State.PROCESSED,
+                                             server_status=200, server_ack=None))
+        harness.clock.advance(3)
+        second = send(harness, "h1", epoch, ids[1])
+        due = harness.clock.now + 7
+        assert harness.tx(lambda s: s.requeue("h1", epoch, ids[1], second, due, server_status=503,
+                                              error_code="503", error_text="transient status 503"))
+        adt, lab = harness.store.channel_activity(["adt", "lab"])
+        assert adt.head is not None and adt.head.id == ids[1] and adt.head.state == State.QUEUED
+        assert (adt.head.attempts, adt.head.redrive_base, adt.head.next_attempt_at) == (1, 0, due)
+        assert (adt.head.server_status, adt.head.error_code, adt.head.error_text) == (
+            503, "503", "transient status 503")
+        assert adt.last_received_at == harness.row(ids[2])["received_at"]
+        assert adt.last_settled is not None
+        assert (adt.last_settled.state, adt.last_settled.settled_at) == (State.PROCESSED, delivered_at)
+        assert "body" not in {f for f in vars(adt.head)}
+        assert lab.head is not None and lab.head.attempts == 0 and lab.last_settled is None
+        assert harness.store.live_depth() == 4
+
+    def test_last_delivered_with_no_head_left_and_a_rejection(self, harness: Harness) -> None:
+        """With every row settled the last one out is the newest; its state says how it ended."""
+        ids = queue_n(harness, 2)
+        epoch = acquire(harness, holder("h1"))
+        attempt = send(harness, "h1", epoch, ids[0])
+        assert harness.tx(lambda s: s.settle("h1", epoch, ids[0], attempt, State.PROCESSED,
+                                             server_status=200, server_ack=None))
+        harness.clock.advance(1)
+        attempt = send(harness, "h1", epoch, ids[1])
+        ack = "MSH|^~\\&|EHR|C|LAB|N|20260101||ACK|1|P|2.5\rMSA|AE|C1|unknown patient\r"
+        assert harness.tx(lambda s: s.settle("h1", epoch, ids[1], attempt, State.REJECTED,
+                                             server_status=422, server_ack=ack,
+                                             error_code="422", error_text="rejected by server (status 422)"))
+        (adt,) = harness.store.channel_activity(["adt"])
+        assert adt.head is None and adt.last_settled is not None
+        assert adt.last_settled.state == State.REJECTED and adt.last_settled.settled_at == harness.clock.now
+        assert harness.store.server_acks([ids[0], ids[1], "no-such-id"]) == {ids[1]: ack}
+
+    def test_paused_by_whom_and_since_when(self, harness: Harness) -> None:
+        """The pause flag with its time and reason; resumed, both are gone."""
+        queue_n(harness, 1)
+        harness.tx(lambda s: s.pause_channel("adt", "operator (alice)"))
+        (adt,) = harness.store.channel_activity(["adt"])
+        assert adt.paused and adt.paused_at == harness.clock.now and adt.paused_reason == "operator (alice)"
+        harness.tx(lambda s: s.resume_channel("adt"))
+        (adt,) = harness.store.channel_activity(["adt"])
+        assert not adt.paused and adt.paused_at is None and adt.paused_reason is None
