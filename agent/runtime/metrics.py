@@ -11,6 +11,9 @@ Two kinds of metric live here:
 - queue gauges, read at scrape time from the ``queue stats --json`` shape
   (SPEC 2) through a bound callable, so the numbers are the database's, shared
   by every process on the file, not one process's guess.
+
+The same two events also feed ``history`` (agent.runtime.history): messages in
+and out per minute over the last hour, for the status page's plots.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from agent import __version__
 from agent.runtime import logs
+from agent.runtime.history import MinuteHistory
 
 log = structlog.get_logger(__name__)
 
@@ -258,6 +262,8 @@ class AgentMetrics:
             registry=r,
         )
         self._info_lock = threading.Lock()
+        #: The last hour per minute, for the status page's plots (not exported).
+        self.history = MinuteHistory()
         self._stats = _QueueStatsCollector()
         r.register(self._stats)
         r.register(_LogSinkCollector())
@@ -280,6 +286,7 @@ class AgentMetrics:
     def message_committed(self, channel: str) -> None:
         """A row was committed and its accept ACK sent."""
         self._committed.labels(channel=channel).inc()
+        self.history.count_in()
 
     def message_rejected(self, channel: str, code: str) -> None:
         """A non-accept ACK was sent at intake (``code`` is MSA-1: AE/AR/CE/CR)."""
@@ -288,6 +295,7 @@ class AgentMetrics:
     def message_settled(self, channel: str, state: str) -> None:
         """A row reached ``processed``/``rejected``/``failed`` from upstream's answer."""
         self._settled.labels(channel=channel, state=state).inc()
+        self.history.count_out()
 
     def observe_dispatch_latency(self, channel: str, seconds: float) -> None:
         """Transmit written → transmit_response received, in seconds."""
