@@ -7,6 +7,7 @@ and watch the endpoint follow.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import socket
@@ -16,12 +17,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from agenttest import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.app.health import check_health, health_exit_code
 from agent.core.addresses import format_listen, parse_listen
 from agent.errors import ConfigError
 from agent.runtime.admin import AdminListenInUse, AdminServer, RuntimeView
+from agent.runtime.history import MinuteHistory
 from agent.runtime.metrics import AgentMetrics
 
 
@@ -366,6 +369,49 @@ class TestStatusPage:
         assert data["upstream"]["last_error"] == "connection refused"
         assert data["lease_held"] is True and data["recent_failures"] == []
         assert data["uptime_s"] >= 192 and data["errors"] == {}
+
+
+class TestDepthSampler:
+    def test_depth_is_sampled_into_the_history_until_stop(self, runtime: FakeRuntime) -> None:
+        """The admin server samples live depth at once and on; stop() ends the sampler thread."""
+        history = MinuteHistory()
+        calls: list[int] = []
+
+        def live_depth() -> int:
+            calls.append(1)
+            return 42
+
+        view = dataclasses.replace(runtime.view(), live_depth=live_depth, history=history)
+        admin = AdminServer("127.0.0.1:0", view, AgentMetrics())
+        admin.start()
+        try:
+            wait_for(lambda: history.series()["depth"][-1] == 42, 5, what="a depth sample")
+        finally:
+            admin.stop()
+        assert not [t for t in threading.enumerate() if t.name == "admin-depth"]
+        assert len(calls) == 1  # the next one is DEPTH_SAMPLE_INTERVAL away
+
+    def test_a_failing_sample_leaves_a_gap(self, runtime: FakeRuntime) -> None:
+        """A database error while sampling is a missing point, not a dead thread or a failed page."""
+        history = MinuteHistory()
+        failed: list[int] = []
+
+        def live_depth() -> int:
+            failed.append(1)
+            raise OSError("disk I/O error")
+
+        view = dataclasses.replace(runtime.view(), live_depth=live_depth, history=history)
+        admin = AdminServer("127.0.0.1:0", view, AgentMetrics())
+        admin.start()
+        try:
+            wait_for(lambda: failed, 5, what="a failed sample")
+            assert history.series()["depth"][-1] is None
+            assert [t for t in threading.enumerate() if t.name == "admin-depth" and t.is_alive()]
+            status, _, _ = request(admin, "GET", "/")
+            assert status == 200
+            assert history.series()["depth"][-1] == 3  # the page's own stats read is a sample too
+        finally:
+            admin.stop()
 
 
 class TestMethodsAndBinding:

@@ -7,15 +7,31 @@ read through the same ``RuntimeView`` the admin endpoint uses.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from pathlib import Path
+from typing import Any
 
+from agenttest import http_get, until
 from agenttest import run_async as run
-from agenttest import until
 
+from agent.app.devserver import Answer, default_answer
+from agent.app.service import Agent
+from agent.core.acks import AckCode, build_ack
+from agent.core.envelope import read_msh
+from agent.core.protocol import Transmit
 from agent.core.states import State
+from tests.agenttest import hl7_message
 from tests.integration import test_store_contract as contract
-from tests.integration.test_dispatch import agent_running, dev_server, settings_for, url
+from tests.integration.test_dispatch import (
+    agent_running,
+    dev_server,
+    port_of,
+    send_all,
+    settings_for,
+    url,
+)
 from tests.integration.test_store_contract import Harness, acquire, holder, queue_n, send
 
 #: The contract's fixture: a fresh store per test, for every backend it is parametrised by.
@@ -110,3 +126,88 @@ class TestChannelActivity:
         harness.tx(lambda s: s.resume_channel("adt"))
         (adt,) = harness.store.channel_activity(["adt"])
         assert not adt.paused and adt.paused_at is None and adt.paused_reason is None
+
+
+REASON = "unknown patient identifier in PID-3"
+
+
+async def status_json(agent: Agent) -> dict[str, Any]:
+    """GET /status.json from the agent's own admin server (on a thread: the loop keeps running)."""
+    assert agent.admin is not None
+    host, port = agent.admin.address
+    status, body = await asyncio.to_thread(http_get, f"http://{host}:{port}/status.json")
+    assert status == 200
+    data: dict[str, Any] = json.loads(body)
+    return data
+
+
+def adt(data: dict[str, Any]) -> dict[str, Any]:
+    (found,) = [c for c in data["assessment"]["channels"] if c["name"] == "adt"]
+    return found
+
+
+class TestStatusJsonOfARunningAgent:
+    def test_a_head_retrying_a_503_is_retrying_with_its_facts(self, tmp_path: Path) -> None:
+        """503 forever: /status.json says retrying, attempt n, the error, the next try and who waits."""
+
+        async def decide(t: Transmit) -> Answer:
+            return Answer(503)
+
+        async def scenario() -> None:
+            async with dev_server(decide) as server:
+                settings = settings_for(tmp_path, url(server), [{"name": "adt"}], admin={"listen": "127.0.0.1:0"})
+                async with agent_running(settings) as agent:
+                    await send_all(port_of(agent, "adt"), [hl7_message(f"R{i}") for i in range(4)])
+                    await until(lambda: len(server.received) >= 2, 15, "two attempts")
+                    data = await status_json(agent)
+                    c = adt(data)
+                    assert c["state"] == "retrying" and c["level"] == "warn", c
+                    assert c["attempt"] >= 1 and c["waiting_behind"] == 3 and c["depth"] == 4
+                    assert c["last_error"] == "transient status 503"
+                    assert c["last_received_at"] is not None and c["last_settled_at"] is None
+                    assert data["assessment"]["upstream"]["state"] == "connected"
+                    assert data["upstream"]["since"] is not None  # the dispatcher's accessor, as RFC 3339
+                    assert data["history"]["in"][-1] + data["history"]["in"][-2] == 4
+                    assert data["history"]["depth"][-1] == 4
+                    for key in ("agent_id", "version", "started_at", "generated_at", "uptime_s", "listeners_up",
+                                "upstream", "lease_held", "stats", "recent_failures", "errors"):
+                        assert key in data  # the keys /status.json always had stay
+                    assert data["errors"] == {}
+
+        run(scenario())
+
+    def test_a_rejection_shows_the_servers_reason_and_the_pause_blocks(self, tmp_path: Path) -> None:
+        """422 with an AE naming the reason; on_reject = pause: the failure shows the reason, the channel is blocked."""
+
+        async def decide(t: Transmit) -> Answer:
+            if t.control_id == "P0":
+                inbound = read_msh(t.body.encode())
+                return Answer(422, build_ack(inbound, AckCode.AE, text=REASON, error_code=204).decode())
+            return default_answer(t)
+
+        async def scenario() -> None:
+            async with dev_server(decide) as server:
+                settings = settings_for(tmp_path, url(server), [{"name": "adt", "on_reject": "pause"}],
+                                        admin={"listen": "127.0.0.1:0"})
+                async with agent_running(settings) as agent:
+                    await send_all(port_of(agent, "adt"), [hl7_message(f"P{i}") for i in range(3)])
+
+                    async def paused() -> bool:
+                        return adt(await status_json(agent))["state"] == "blocked"
+
+                    deadline = time.monotonic() + 15
+                    while not await paused():
+                        assert time.monotonic() < deadline, "channel never blocked by the pause"
+                        await asyncio.sleep(0.05)
+                    data = await status_json(agent)
+                    c = adt(data)
+                    assert (c["blocked_by"], c["depth"], c["level"]) == ("pause", 2, "bad")
+                    assert c["paused_reason"].startswith("rejected row ") and "(status 422)" in c["paused_reason"]
+                    assert c["last_settled_state"] == "rejected"
+                    (failure,) = data["recent_failures"]
+                    assert failure["server_reason"] == f"{REASON}; Unknown key identifier (204)"
+                    assert failure["error_text"] == "rejected by server (status 422)"
+                    assert data["assessment"]["level"] == "bad"
+                    assert data["history"]["out"][-1] + data["history"]["out"][-2] == 1
+
+        run(scenario())
