@@ -193,6 +193,8 @@ def _channel(name: str, counts: Mapping[str, Any], activity: Mapping[str, Any] |
             return blocked("no upstream", "no upstream configured ([server] url)")
         return result(ChannelState.IDLE, "idle — intake only")
     if upstream == UpstreamState.DOWN:
+        if depth:
+            detail.append("kept in the queue: they go out in order once the server answers again")
         return result(ChannelState.UPSTREAM_DOWN, f"upstream down — {_waiting(depth)}")
     if upstream == UpstreamState.NO_LEASE and depth:
         return blocked("no lease", "no process holds the dispatch lease")
@@ -200,8 +202,10 @@ def _channel(name: str, counts: Mapping[str, Any], activity: Mapping[str, Any] |
         attempt = facts["attempt"]
         if facts["next_try_in_s"] is not None:
             text = f"retrying — attempt {attempt} failed, next try in {human_duration(facts['next_try_in_s'])}"
+        elif head.get("state") == State.INFLIGHT:
+            text = f"retrying — attempt {attempt} sent, the one before failed"
         else:
-            text = f"retrying — attempt {attempt} after a failed one"
+            text = f"retrying — attempt {attempt} failed, the next one is being sent"
         detail.append(f"last error: {facts['last_error']}")
         if facts["waiting_behind"]:
             detail.append(f"{facts['waiting_behind']} waiting behind it (delivery is in order)")

@@ -99,7 +99,7 @@ tr.detail.lvl-bad td:first-child{border-left-color:#cc1f1a}
 .empty{color:#5b6475;font-style:italic}
 .muted{color:#5b6475;font-size:12px}
 .reason{font-weight:600;overflow-wrap:anywhere}
-ul.facts{margin:2px 0 0;padding-left:18px}
+ul.facts{margin:2px 0 0;padding-left:18px}ul.facts code{white-space:nowrap}
 figure{margin:0 0 10px}figcaption{font-size:12px;color:#5b6475}
 svg.plot{width:100%;height:auto;display:block}
 code{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px;
@@ -250,7 +250,7 @@ def _channel_rows(c: Mapping[str, Any]) -> str:
         f"{_age_cell(c.get('oldest_queued_age_s'))}"
         f'<td class="n">{_e(_ago(c.get("last_received_age_s")))}</td>'
         f'<td class="n">{_e(last_out)}</td></tr>'
-        f'<tr class="detail lvl-{_e(level)}"><td colspan="6"><span class="what">{_text(c.get("text"))}</span>'
+        f'<tr class="detail lvl-{_e(level)}" id="ch-{_e(name)}-detail"><td colspan="6"><span class="what">{_text(c.get("text"))}</span>'
         f'{f"<ul class=facts>{detail}</ul>" if detail else ""}</td></tr>'
     )
 

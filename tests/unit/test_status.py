@@ -89,6 +89,7 @@ class TestChannelStates:
         c = channel(run(counts(inflight=1), activity(the_head=head("inflight", attempts=3, error_code="503",
                                                                      error_text="transient status 503"))))
         assert c["state"] == ChannelState.RETRYING and c["next_try_in_s"] is None and c["attempt"] == 3
+        assert c["text"] == "retrying — attempt 3 sent, the one before failed"
 
     def test_a_redriven_head_is_not_retrying(self) -> None:
         """After `queue retry` the old error is history (attempts == redrive_base): flowing."""
@@ -118,6 +119,7 @@ class TestChannelStates:
                      last_error="ConnectionRefusedError: [Errno 111] Connection refused")
         c = channel(result)
         assert (c["state"], c["level"]) == (ChannelState.UPSTREAM_DOWN, Level.BAD)
+        assert bool(c["detail"]) == bool(depth)  # rows waiting: where they are and when they go
         up = result["upstream"]
         assert (up["state"], up["level"], up["for_s"]) == (UpstreamState.DOWN, Level.BAD, 185)
         assert up["text"] == "down for 3m 5s" and up["since"] == "2025-06-15T15:03:35Z"
