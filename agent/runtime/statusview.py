@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 
 from agent.core.acks import server_reason
+from agent.core.states import DEPTH
 from agent.core.status import assess
 from agent.core.timefmt import rfc3339
 from agent.runtime.history import MinuteHistory
@@ -103,7 +104,7 @@ def collect_view_data(view: RuntimeView, now: float | None = None) -> dict[str, 
         _add_server_reasons(view, failures, guarded)
     if stats is not None and view.history is not None:
         channels = (stats.get("channels") or {}).values()
-        view.history.note_depth(sum(int(c.get(s) or 0) for c in channels for s in _DEPTH_KEYS))
+        view.history.note_depth(sum(int(c.get(s) or 0) for c in channels for s in DEPTH))
     data["activity"] = activity
     data["assessment"] = assess(
         stats=stats,
@@ -116,10 +117,6 @@ def collect_view_data(view: RuntimeView, now: float | None = None) -> dict[str, 
     data["history"] = view.history.series() if view.history is not None else None
     data["errors"] = errors
     return data
-
-
-#: The stats keys of a channel's live rows (its depth).
-_DEPTH_KEYS = ("queued", "claimed", "inflight")
 
 
 def _add_server_reasons(
