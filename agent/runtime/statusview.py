@@ -60,8 +60,6 @@ def reason_of(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:200] if text else type(exc).__name__
 
 
-
-
 def collect_view_data(view: RuntimeView, now: float | None = None) -> dict[str, Any]:
     """The `/status.json` document; a failing section is None plus a reason.
 
