@@ -27,6 +27,7 @@ import structlog
 
 from agent import __version__
 from agent.app.config import Settings
+from agent.core.timefmt import rfc3339
 from agent.errors import AdminListenInUse, LocalError, StorageError
 from agent.runtime import adoption, sockets
 from agent.runtime.admin import AdminServer, LoopHeartbeat, RuntimeView
@@ -165,6 +166,10 @@ class Agent:
             rows = reader.call_blocking(SqliteStore.recent_failures, limit)
             return [dataclasses.asdict(row) for row in rows]
 
+        def channel_activity(channels: list[str]) -> list[dict[str, Any]]:
+            rows = reader.call_blocking(SqliteStore.channel_activity, channels)
+            return [dataclasses.asdict(row) for row in rows]
+
         return RuntimeView(
             agent_id=self.settings.agent.id,
             version=__version__,
@@ -177,6 +182,10 @@ class Agent:
             stats=lambda: reader.call_blocking(SqliteStore.stats, names),
             recent_failures=recent_failures,
             loop_age=self.heartbeat.age,
+            channel_activity=channel_activity,
+            server_acks=lambda ids: reader.call_blocking(SqliteStore.server_acks, ids),
+            live_depth=lambda: reader.call_blocking(SqliteStore.live_depth),
+            history=self.metrics.history,
         )
 
     def _db_writable(self) -> tuple[bool, str]:
@@ -192,8 +201,11 @@ class Agent:
     def _upstream_state(self) -> dict[str, Any]:
         url = self.settings.server.url
         if self.dispatcher is None:
-            return {"configured": bool(url), "connected": False, "url": url, "replay": None, "last_error": None}
-        return self.dispatcher.upstream_state()
+            return {"configured": bool(url), "connected": False, "url": url, "replay": None, "last_error": None,
+                    "since": None}
+        # "since": when the session last came up or went down (the page's "down for 3m").
+        return {**self.dispatcher.upstream_state(),
+                "since": rfc3339(self.dispatcher.upstream_changed_at(), millis=False)}
 
     async def start(self) -> None:
         s = self.settings

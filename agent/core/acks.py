@@ -28,6 +28,7 @@ __all__ = [
     "new_control_id",
     "read_ack_code",
     "relayed_ack",
+    "server_reason",
 ]
 
 
@@ -356,3 +357,112 @@ def read_ack_code(ack: bytes) -> str | None:
         if segment == "MSA":
             return ""
     return None
+
+
+#: The longest reason ``server_reason`` returns (a server may send pages of text).
+REASON_LIMIT = 300
+
+
+def _unescape(text: str, field: str, component: str, repetition: str, escape: str,
+              subcomponent: str) -> str:
+    """HL7 escape sequences in free text back to characters (HL7 2.5 ch. 2.7).
+
+    ``\\F\\ \\S\\ \\R\\ \\T\\ \\E\\`` become their delimiters, ``\\.br\\`` a space,
+    ``\\Xhh…\\`` its bytes (Latin-1), and what only formats or switches character
+    sets (``\\H\\``, ``\\N\\``, ``\\C…\\``, ``\\M…\\``, ``\\Z…\\``) is dropped.
+    """
+    if not escape or escape not in text:
+        return text
+    named = {"F": field, "S": component, "R": repetition, "T": subcomponent, "E": escape,
+             ".br": " ", "H": "", "N": ""}
+    out: list[str] = []
+    rest = text
+    while escape in rest:
+        before, _, after = rest.partition(escape)
+        out.append(before)
+        body, found, tail = after.partition(escape)
+        if not found:  # an escape character that opens nothing: keep it as text
+            out.append(escape + after)
+            rest = ""
+            break
+        if body in named:
+            out.append(named[body])
+        elif body[:1] == "X" and len(body) % 2 == 1:
+            try:
+                out.append(bytes.fromhex(body[1:]).decode("latin-1"))
+            except ValueError:
+                out.append(escape + body + escape)
+        elif body[:1] not in ("C", "M", "Z"):
+            out.append(escape + body + escape)
+        rest = tail
+    out.append(rest)
+    return "".join(out)
+
+
+def server_reason(ack_text: str | None, *, limit: int = REASON_LIMIT) -> str | None:
+    """The server's reason, in words, from its ACK text; None when it gives none; never raises.
+
+    What an operator needs to fix a rejected message is the server's own text,
+    not only its status: MSA-3 (text message), then per ERR segment ERR-8
+    (user message), ERR-7 (diagnostic information), the text of ERR-5
+    (application error code) and of ERR-3 (HL7 error code, table 0357, with
+    the code) — or, before v2.5, the text of ERR-1's code component. Texts are
+    unescaped, repeated ones dropped, joined with "; " and cut at ``limit``.
+    """
+    if not ack_text:
+        return None
+    try:
+        return _server_reason(ack_text, limit)
+    except Exception:  # noqa: BLE001 - a server's odd ACK must never break a page or a command
+        return None
+
+
+def _server_reason(ack_text: str, limit: int) -> str | None:
+    segments = [s.strip("\x0b\x1c ") for s in re.split(r"\r\n|\r|\n", ack_text)]
+    field, encoding = DEFAULT_FIELD_SEP, DEFAULT_ENCODING_CHARS
+    for segment in segments:
+        if segment.startswith("MSH") and len(segment) > 4:
+            field = segment[3]
+            encoding = segment[4:].split(field, 1)[0] or DEFAULT_ENCODING_CHARS
+            break
+    chars = encoding + DEFAULT_ENCODING_CHARS[len(encoding):]
+    component, repetition, escape, subcomponent = chars[0], chars[1], chars[2], chars[3]
+
+    def text(raw: str) -> str:
+        plain = _unescape(raw, field, component, repetition, escape, subcomponent)
+        return " ".join("".join(ch if ch.isprintable() else " " for ch in plain).split())
+
+    def part(raw: str, index: int, sep: str) -> str:
+        pieces = raw.split(sep)
+        return pieces[index] if len(pieces) > index else ""
+
+    def coded(raw: str, sep: str) -> str:
+        """A CWE/CE value as ``text (code)``, the text alone, or the code alone."""
+        code, label = text(part(raw, 0, sep)), text(part(raw, 1, sep))
+        if label and code:
+            return f"{label} ({code})"
+        return label or code
+
+    found: list[str] = []
+    for segment in segments:
+        if not (segment.startswith(("MSA", "ERR")) and len(segment) > 3 and segment[3] == field):
+            continue
+        fields = segment.split(field)
+
+        def at(n: int, fields: list[str] = fields) -> str:
+            return fields[n] if len(fields) > n else ""
+
+        if fields[0] == "MSA":
+            found.append(text(at(3)))
+            continue
+        for repeat in at(8).split(repetition) + at(7).split(repetition):
+            found.append(text(repeat))
+        found.append(coded(at(5), component))
+        found.append(coded(at(3), component))
+        for location in at(1).split(repetition):  # v2.1-2.4: segment^seq^field^code&text&system
+            found.append(coded(part(location, 3, component), subcomponent))
+    unique = list(dict.fromkeys(t for t in found if t))
+    if not unique:
+        return None
+    joined = "; ".join(unique)
+    return joined if len(joined) <= limit else joined[: limit - 1] + "…"

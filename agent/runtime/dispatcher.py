@@ -190,6 +190,8 @@ class Dispatcher:
         self._tenure_over = asyncio.Event()
         self._tenure_over.set()
         self._refused_delays = backoff(EPOCH_REFUSED_INITIAL, 2.0, EPOCH_REFUSED_CAP)
+        #: Wall-clock time the upstream session last came up or went down (start: down).
+        self._upstream_changed_at = time.time()
         self.log = log.bind(holder=self.me.holder)
 
     def _new_link(self, epoch: int, write_allowed: Callable[[], bool]) -> UpstreamLink:
@@ -244,6 +246,7 @@ class Dispatcher:
         return self.link is not None and self.link.connected
 
     def _connected_changed(self, up: bool) -> None:
+        self._upstream_changed_at = time.time()
         if self.metrics is not None:
             self.metrics.set_upstream_connected(up)
         if up:
@@ -260,6 +263,13 @@ class Dispatcher:
             "replay": session.replay if session is not None else None,
             "last_error": link.last_error if link is not None else None,
         }
+
+    def upstream_changed_at(self) -> float:
+        """Since when (Unix seconds) the upstream has been as ``upstream_state()`` says: up or down.
+
+        Before the first session it is the dispatcher's start. Safe from any thread (a float read).
+        """
+        return self._upstream_changed_at
 
     def wake(self, channel: str) -> None:
         """Intake in this process committed a row for ``channel``."""

@@ -17,11 +17,13 @@ from agent.core.states import AckOutcome, State
 __all__ = [
     "AckMode",
     "AuditItem",
+    "ChannelActivity",
     "ChannelFlags",
     "HeadRow",
     "IntakeItem",
     "IntakeOutcome",
     "IntakeResult",
+    "LastSettled",
     "Lease",
     "LeaseRow",
     "ListedRow",
@@ -32,6 +34,7 @@ __all__ = [
     "RowFilter",
     "RowPlace",
     "StateCount",
+    "StatusHead",
     "StoredRow",
     "build",
 ]
@@ -320,3 +323,50 @@ class RedriveOutcome:
     result: Literal["moved", "would_move", "missing", "refused", "changed"]
     state: State | None = None
     channel: str | None = None
+
+
+# -- out: the status page ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StatusHead:
+    """A channel's head as the status page shows it: where it stands and its last error, no body."""
+
+    id: str
+    seq: int
+    state: State
+    attempts: int
+    redrive_base: int
+    next_attempt_at: float
+    server_status: int | None
+    error_code: str | None
+    error_text: str | None
+    received_at: float
+    updated_at: float
+
+    def __post_init__(self) -> None:
+        _as_state(self)
+
+
+@dataclass(frozen=True)
+class LastSettled:
+    """The row a channel delivered last: how it ended and when."""
+
+    state: State
+    settled_at: float | None
+
+    def __post_init__(self) -> None:
+        _as_state(self)
+
+
+@dataclass(frozen=True)
+class ChannelActivity:
+    """What a channel is doing, for the status page: head, last in, last out, pause."""
+
+    channel: str
+    head: StatusHead | None
+    last_received_at: float | None
+    last_settled: LastSettled | None
+    paused: bool
+    paused_at: float | None
+    paused_reason: str | None

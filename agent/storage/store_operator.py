@@ -21,6 +21,8 @@ from agent.core.timefmt import rfc3339
 from agent.storage import maintenance
 from agent.storage.liveness import holder_provably_dead
 from agent.storage.rows import (
+    ChannelActivity,
+    LastSettled,
     ListedRow,
     LiveCount,
     RecentFailure,
@@ -28,9 +30,13 @@ from agent.storage.rows import (
     RowFilter,
     RowPlace,
     StateCount,
+    StatusHead,
     StoredRow,
 )
 from agent.storage.store_dispatch import DispatchQueries
+
+#: Above every seq (SQLite integers are 64-bit): "before the end" for a channel with no head.
+_NO_SEQ = 2**63 - 1
 
 
 def _file_size(path: Path) -> int:
@@ -101,6 +107,43 @@ class OperatorQueries(DispatchQueries):
         """A tiny write: /readyz proves the database takes writes — and intake would accept."""
         self._exec("probe_write", now=repr(self.clock()))
         maintenance.check_room(self)
+
+    # -- the status page -----------------------------------------------------------
+
+    def channel_activity(self, channels: Sequence[str]) -> list[ChannelActivity]:
+        """Per channel: its head (without body), when it last received and delivered, its pause.
+
+        A few index probes per channel, whatever the queue holds: the page is
+        refreshed every few seconds on the reader the dispatcher uses too.
+        """
+        flags = {f.channel: f for f in self.channel_flags()}
+        out: list[ChannelActivity] = []
+        for name in channels:
+            head = self._row(StatusHead, "status_head", channel=name)
+            received = self._scalar("status_last_received", channel=name)
+            # Every row before the head in delivery order is settled: the one just before it
+            # went last (a re-driven head: the one before it, delivered before the re-drive).
+            before = head.seq if head is not None else _NO_SEQ
+            settled = self._row(LastSettled, "status_last_settled", channel=name, before=before)
+            flag = flags.get(name)
+            out.append(ChannelActivity(
+                channel=name,
+                head=head,
+                last_received_at=None if received is None else float(received),
+                last_settled=settled,
+                paused=bool(flag and flag.paused),
+                paused_at=flag.paused_at if flag and flag.paused else None,
+                paused_reason=flag.paused_reason if flag and flag.paused else None,
+            ))
+        return out
+
+    def live_depth(self) -> int:
+        """Rows waiting or being dispatched, every channel: the page's depth history samples it."""
+        return int(self._scalar("status_live_depth"))
+
+    def server_acks(self, ids: Sequence[str]) -> dict[str, str]:
+        """id → the server's ACK text, for those of these rows the server answered with one."""
+        return {str(r[0]): str(r[1]) for r in self._exec("status_server_acks", ids=json.dumps(list(ids)))}
 
     # -- operator reads ------------------------------------------------------------
 

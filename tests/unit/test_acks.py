@@ -23,6 +23,7 @@ from agent.core.acks import (
     commit_ack_wanted,
     read_ack_code,
     relayed_ack,
+    server_reason,
 )
 from agent.core.charsets import TEXT_CODECS
 from agent.core.envelope import Envelope, MalformedMsh, read_msh, scrape_control_id
@@ -504,3 +505,54 @@ class TestAckProperties:
         """Any server ACK text in any stored codec name: bytes without block bytes, never an exception."""
         ack = relayed_ack(text, codec)
         assert b"\x0b" not in ack and b"\x1c" not in ack and b"\n" not in ack
+
+
+class TestServerReason:
+    """The server's reason in words, read from its ACK text (HL7 2.5 ch. 2.14.5 ERR, 2.14.8 MSA)."""
+
+    def test_msa3_and_err3_of_a_v25_reject(self) -> None:
+        """MSA-3 first, then ERR-3's table 0357 text with its code."""
+        ack = build_ack(env(V25), AckCode.AE, text="unknown patient identifier in PID-3",
+                        error_code=204).decode()
+        assert server_reason(ack) == "unknown patient identifier in PID-3; Unknown key identifier (204)"
+
+    def test_before_v25_the_code_is_in_err1(self) -> None:
+        """v2.1-2.4 put the code in ERR-1's fourth component, as subcomponents; MSA-3 is unescaped."""
+        v23 = V25.replace("|2.5", "|2.3")
+        ack = build_ack(env(v23), AckCode.AE, text="bad|field", error_code=207).decode()
+        assert server_reason(ack) == "bad|field; Application internal error (207)"
+
+    def test_user_message_and_diagnostics_in_the_senders_delimiters(self) -> None:
+        """ERR-8 (each repetition) comes before the coded texts; delimiters are MSH-1/2's."""
+        ack = ("MSH#$*@!#EHR#C##L#N#20240101##ACK$A01$ACK#1#P#2.5.1\r"
+               "MSA#AE#C1\r"
+               "ERR##PID$1$3#204$Unknown key identifier$HL70357#E#E42$Patient not found#"
+               "##Patient 123@F@4 is unknown*second line#\r")
+        assert server_reason(ack) == (
+            "Patient 123#4 is unknown; second line; Patient not found (E42); Unknown key identifier (204)"
+        )
+
+    def test_escapes_and_formatting(self) -> None:
+        """Hex escapes become their bytes, .br a space, highlighting and charset escapes go."""
+        ack = "MSH|^~\\&|||||||ACK|1|P|2.5\rMSA|AE|C1|\\X41\\bc\\.br\\d\\H\\e\\N\\ \\C2842\\f\rERR||||E\r"
+        assert server_reason(ack) == "Abc de f"
+
+    def test_an_accept_without_text_has_no_reason(self) -> None:
+        """AA with an empty MSA-3 and no ERR: None, not an empty string."""
+        assert server_reason(build_ack(env(V25), AckCode.AA).decode()) is None
+        assert server_reason(None) is None and server_reason("") is None
+
+    def test_long_text_is_cut_and_repeats_dropped(self) -> None:
+        """A repeated text appears once; the whole stays within the limit, marked as cut."""
+        ack = f"MSH|^~\\&|||||||ACK|1|P|2.5\rMSA|AE|C1|{'x' * 500}\rERR|||||||||\rERR|||||||||\n"
+        reason = server_reason(ack, limit=40)
+        assert reason is not None and len(reason) == 40 and reason.endswith("…")
+        again = "MSH|^~\\&|||||||ACK|1|P|2.5\rMSA|AE|C1|same\rERR|||||||same|same\r"
+        assert server_reason(again) == "same"
+
+    @given(st.text(max_size=300))
+    @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+    def test_never_raises(self, text: str) -> None:
+        """Any text at all gives a string or None (a server's ACK is untrusted input)."""
+        reason = server_reason("MSH|^~\\&|||||||ACK|1|P|2.5\rMSA|AE|C1|" + text)
+        assert reason is None or (isinstance(reason, str) and "\r" not in reason)
