@@ -106,15 +106,26 @@ def _version_tuple(version_id: str, component_sep: str) -> tuple[int, int, int]:
     return (int(match[1]), int(match[2]), int(match[3] or 0))
 
 
-def _timestamp(now: datetime | None) -> str:
-    """MSH-7 as HL7 DTM with time zone: YYYYMMDDHHMMSS.ffff+ZZZZ (ten-thousandths of a second)."""
+def _timestamp(now: datetime | None, delimiters: str = "") -> str:
+    """MSH-7 as HL7 DTM with time zone: YYYYMMDDHHMMSS.ffff+ZZZZ (ten-thousandths of a second).
+
+    The fraction and the zone are optional in DTM (HL7 2.5 ch. 2.A.22); a part
+    whose punctuation is one of the sender's delimiters (``.`` or ``+``/``-``
+    as a separator) is left out, so MSH-7 never splits the ACK's fields.
+    """
     if now is None:
         moment = datetime.now().astimezone()
     elif now.tzinfo is None:
         moment = now.astimezone()  # naive: taken as local time
     else:
         moment = now
-    return f"{moment:%Y%m%d%H%M%S}.{moment.microsecond // 100:04d}{moment:%z}"
+    text = f"{moment:%Y%m%d%H%M%S}"
+    if "." not in delimiters:
+        text += f".{moment.microsecond // 100:04d}"
+    zone = f"{moment:%z}"
+    if zone[:1] not in delimiters:
+        text += zone
+    return text
 
 
 def _usable_codec(codec: str) -> str:
@@ -157,6 +168,7 @@ class _Delims:
         self.repetition = effective[1]
         self.escape = effective[2]
         self.subcomponent = effective[3]
+        self.all_delimiters = field_sep + effective
         esc = self.escape
         table = {
             esc: f"{esc}E{esc}",
@@ -259,7 +271,7 @@ def build_ack(
         "MSH",
         delims.encoding_chars,
         *swapped,  # MSH-3..6
-        _timestamp(now),  # MSH-7
+        _timestamp(now, delims.all_delimiters),  # MSH-7
         "",  # MSH-8 security
         msh9,
         new_control_id() if control_id is None else delims.escape_framing(control_id),  # MSH-10

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 import hl7
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from intakefuzz import CHARSET_VALUES, CORPUS, mutate
 
@@ -475,6 +475,23 @@ def inbound_of(payload: bytes) -> Envelope | None:
         return None
 
 
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (b"MSH|^~\\&|A|B|C|D|x||ADT^A01|1|P|2.5", "20260501083000.1234+0200"),
+        (b"MSH.^~\\&.A.B.C.D.x..ADT^A01.1.P.2.5", "20260501083000+0200"),  # no fraction
+        (b"MSH+^~\\&+A+B+C+D+x++ADT^A01+1+P+2.5", "20260501083000.1234"),  # no zone
+    ],
+)
+def test_msh7_never_contains_a_delimiter(header: bytes, expected: str) -> None:
+    """DTM's fraction and zone are optional: left out when their punctuation is a delimiter."""
+    now = datetime(2026, 5, 1, 8, 30, 0, 123456, tzinfo=timezone(timedelta(hours=2)))
+    ack = build_ack(read_msh(header + b"\r"), AckCode.AA, now=now)
+    sep = chr(header[3])
+    assert ack.split(b"\r")[0].decode().split(sep)[6] == expected
+    assert read_msh(ack).message_code == "ACK"
+
+
 class TestAckProperties:
     @PROPERTY
     @given(
@@ -484,6 +501,9 @@ class TestAckProperties:
         st.one_of(st.sampled_from(CHARSET_VALUES), st.sampled_from(sorted(TEXT_CODECS))),
         st.integers(0, 999),
     )
+    # Found by this test in CI: "." as the field separator met MSH-7's decimal point.
+    @example(payload=b"MSH.!", code=AckCode.AA, text="", codec="", error_code=0)
+    @example(payload=b"MSH+^~\\&", code=AckCode.AA, text="", codec="", error_code=0)
     def test_any_inbound_gives_one_clean_readable_ack(
         self, payload: bytes, code: AckCode, text: str, codec: str, error_code: int
     ) -> None:
