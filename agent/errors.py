@@ -21,7 +21,6 @@ a local one an AR/CE "resend later".
         │   ├── UnsupportedCharset  MSH-18 / channel encoding unusable (ERR-3 102)
         │   └── FrameTooLarge       over max_message_bytes (ERR-3 207)
         └── ProtocolError           the upstream server broke protocol v1
-            └── AuthenticationFailed  401 on connect: the token is wrong
 """
 
 from __future__ import annotations
@@ -107,7 +106,3 @@ class FrameTooLarge(HL7Error):
 
 class ProtocolError(RemoteError):
     """The upstream server sent something protocol v1 does not allow."""
-
-
-class AuthenticationFailed(ProtocolError):
-    """The server answered 401: the configured token is wrong."""
