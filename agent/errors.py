@@ -20,7 +20,6 @@ a local one an AR/CE "resend later".
         │   ├── EnvelopeError       MSH missing or malformed (ERR-3 101/102)
         │   └── UnsupportedCharset  MSH-18 / channel encoding unusable (ERR-3 102/103)
         └── ProtocolError           the upstream server broke protocol v1
-            └── AuthenticationFailed  401 on connect: the token is wrong
 """
 
 from __future__ import annotations
@@ -100,7 +99,3 @@ class UnsupportedCharset(HL7Error):
 
 class ProtocolError(RemoteError):
     """The upstream server sent something protocol v1 does not allow."""
-
-
-class AuthenticationFailed(ProtocolError):
-    """The server answered 401: the configured token is wrong."""
