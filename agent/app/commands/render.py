@@ -2,13 +2,18 @@
 
 Pure functions of the store's rows (agent/storage/rows.py); the JSON shapes
 are documented in docs/queue-stats.schema.json, queue-list.schema.json and
-queue-show.schema.json and only ever gain keys.
+queue-show.schema.json and only ever gain keys. Tables fit the terminal
+(``queue list``: see :func:`fit_list`); in text, a field without a value
+(NULL or empty) is always shown as ``-``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import sys
+import unicodedata
 from collections.abc import Iterable, Sequence
 from typing import IO, Any
 
@@ -26,19 +31,12 @@ LIST_HEADERS = (
     "type",
     "attempts",
     "received",
-    "error code",
+    "error",
 )
-_LIST_KEYS = (
-    "id",
-    "channel",
-    "seq",
-    "state",
-    "control_id",
-    "message_type",
-    "attempts",
-    "received_at",
-    "error_code",
-)
+#: Width of a table when stdout is no terminal (and $COLUMNS is not set).
+DEFAULT_WIDTH = 100
+#: The shortest an id is shown in a narrow table: what every command accepts as a prefix.
+SHORT_ID = 8
 _TIME_FIELDS = (
     "received_at",
     "claimed_at",
@@ -101,24 +99,53 @@ def segments(text: str) -> list[str]:
     return [s for s in text.replace("\r\n", "\r").replace("\n", "\r").split("\r") if s]
 
 
+def cell(value: Any) -> str:  # noqa: ANN401 - any column value
+    """A value as table text: ``-`` when it has none (NULL or empty), one line, no control characters."""
+    if value is None or value == "":
+        return "-"
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else " " for ch in text)
+
+
+def table_lines(headers: Sequence[str], cells: Sequence[Sequence[str]], widths: Sequence[int], *,
+                right: Iterable[int] = ()) -> list[str]:
+    """The header and each row, padded to ``widths`` (cells longer than their width end in ``…``)."""
+    right_set = set(right)
+
+    def line(row: Sequence[str]) -> str:
+        parts = []
+        for i, (c, w) in enumerate(zip(row, widths, strict=True)):
+            text = c if len(c) <= w else c[: max(0, w - 1)] + "…"
+            parts.append(text.rjust(w) if i in right_set else text.ljust(w))
+        return "  ".join(parts).rstrip()
+
+    return [line(list(headers)), *(line(r) for r in cells)]
+
+
 def table(
     headers: Sequence[str], rows: Iterable[Sequence[Any]], *, right: Iterable[int] = ()
 ) -> str:
     """A plain aligned text table; ``right`` lists the numeric columns."""
-    cells = [[("-" if c is None else str(c)) for c in row] for row in rows]
+    cells = [[cell(c) for c in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in cells:
         widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
-    right_set = set(right)
+    return "\n".join(table_lines(headers, cells, widths, right=right)) + "\n"
 
-    def line(row: Sequence[str]) -> str:
-        parts = [
-            c.rjust(w) if i in right_set else c.ljust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        return "  ".join(parts).rstrip()
 
-    return "\n".join([line(list(headers)), *(line(r) for r in cells)]) + "\n"
+def output_width() -> int:
+    """How wide a table may be: $COLUMNS when set, the terminal's width, else DEFAULT_WIDTH."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        if sys.stdout.isatty():
+            return shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns
+    except (AttributeError, ValueError, OSError):
+        pass
+    return DEFAULT_WIDTH
 
 
 def lines_form(body: bytes) -> bytes:
@@ -220,12 +247,13 @@ def render_stats(data: dict[str, Any], lease_row: LeaseRow | None, now: float) -
 
 
 def list_item(row: ListedRow, *, show_body: bool) -> dict[str, Any]:
-    """One ``queue list --json`` entry (docs/queue-list.schema.json)."""
+    """One ``queue list --json`` entry (docs/queue-list.schema.json); ``error_text``, ``server_reason`` added."""
     item: dict[str, Any] = {
         "id": row.id, "channel": row.channel, "seq": row.seq, "state": row.state,
         "control_id": row.control_id, "message_type": row.message_type, "attempts": row.attempts,
         "received_at": ts(row.received_at), "error_code": row.error_code, "remote": row.remote,
-        "updated_at": ts(row.updated_at),
+        "updated_at": ts(row.updated_at), "error_text": row.error_text,
+        "server_reason": row.server_reason,
     }  # fmt: skip
     if show_body:
         item["encoding"] = row.encoding
@@ -233,37 +261,116 @@ def list_item(row: ListedRow, *, show_body: bool) -> dict[str, Any]:
     return item
 
 
-def render_list(items: list[dict[str, Any]], *, show_body: bool) -> str:
-    """``queue list`` as a table; with bodies, one small table per row and its segments."""
+def error_cell(code: str | None, server_reason: str | None) -> str | None:
+    """The ``error`` column: the error code, then the server's own words when it gave some."""
+    if code and server_reason:
+        return f"{code}: {server_reason}"
+    return code or server_reason
+
+
+def _unique_prefix(ids: Sequence[str]) -> int:
+    """The shortest length (at least SHORT_ID) at which these ids all differ."""
+    length = SHORT_ID
+    longest = max((len(i) for i in ids), default=SHORT_ID)
+    while length < longest and len({i[:length] for i in ids}) < len(set(ids)):
+        length += 1
+    return length
+
+
+#: Columns that give up width, in this order, when the table is too wide
+#: (index, narrowest): the error text first, then type, control id, channel.
+_SHRINK = ((8, 16), (5, 9), (4, 10), (1, 8), (8, 5))
+
+
+def fit_list(items: Sequence[dict[str, Any]], width: int) -> list[str]:
+    """``queue list`` rows as table lines at most ``width`` columns wide, where that can be done.
+
+    Everything whole when it fits. Else ids shrink to their shortest unique
+    prefix (8 characters or more: every command takes it), then times lose
+    their milliseconds (still RFC 3339), then the error text, the message
+    type, the control id and the channel are cut (ending in ``…``). The
+    other columns are never cut; a terminal narrower than them gets longer lines.
+    """
+    ids = [str(i["id"]) for i in items]
+    short = _unique_prefix(ids)
+
+    def rows(id_len: int | None, millis: bool) -> list[list[str]]:
+        out = []
+        for i in items:
+            received = i["received_at"]
+            if received and not millis and len(received) == 24:
+                received = received[:19] + "Z"  # 2026-05-01T06:12:44.031Z -> …:44Z
+            out.append([
+                cell(str(i["id"])[:id_len] if id_len else i["id"]), cell(i["channel"]), cell(i["seq"]),
+                cell(i["state"]), cell(i["control_id"]), cell(i["message_type"]), cell(i["attempts"]),
+                cell(received), cell(error_cell(i["error_code"], i.get("server_reason"))),
+            ])  # fmt: skip
+        return out
+
+    def natural(cells: list[list[str]]) -> list[int]:
+        widths = [len(h) for h in LIST_HEADERS]
+        for row in cells:
+            widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+        return widths
+
+    def total(widths: Sequence[int]) -> int:
+        return sum(widths) + 2 * (len(widths) - 1)
+
+    cells: list[list[str]] = []
+    widths: list[int] = []
+    for id_len, millis in ((None, True), (short, True), (short, False)):
+        cells = rows(id_len, millis)
+        widths = natural(cells)
+        if total(widths) <= width:
+            return table_lines(LIST_HEADERS, cells, widths, right=(2, 6))
+    for index, narrowest in _SHRINK:
+        excess = total(widths) - width
+        if excess <= 0:
+            break
+        floor = min(widths[index], max(narrowest, len(LIST_HEADERS[index])))
+        widths[index] = max(floor, widths[index] - excess)
+    return table_lines(LIST_HEADERS, cells, widths, right=(2, 6))
+
+
+def render_list(items: list[dict[str, Any]], *, show_body: bool, width: int = DEFAULT_WIDTH) -> str:
+    """``queue list`` as a table fitted to ``width``; with bodies, each row's segments under it."""
+    lines = fit_list(items, width)
     if not show_body:
-        return table(LIST_HEADERS, [[i[k] for k in _LIST_KEYS] for i in items], right=(2, 6))
-    out: list[str] = []
-    for item in items:
-        out.append(table(LIST_HEADERS, [[item[k] for k in _LIST_KEYS]], right=(2, 6)))
+        return "\n".join(lines) + "\n"
+    out: list[str] = [lines[0] + "\n"]
+    for item, line in zip(items, lines[1:], strict=True):
+        out.append(line + "\n")
         out.extend(f"    {seg}\n" for seg in segments(item["body"] or ""))
         out.append("\n")
     return "".join(out)
 
 
 def state_table(rows: Iterable[ListedRow]) -> str:
-    """``queue retry --state … --dry-run``: the rows that would move, in delivery order."""
-    return table(
-        LIST_HEADERS,
-        [[r.id, r.channel, r.seq, r.state, r.control_id, r.message_type, r.attempts,
-          ts(r.received_at), r.error_code] for r in rows],
-        right=(2, 6),
-    )  # fmt: skip
+    """``queue retry --state … --dry-run``: the rows that would move, in delivery order, ids whole.
+
+    Not fitted to the terminal: it names exactly which rows a re-drive would
+    move, so every id is shown in full.
+    """
+    items = [list_item(r, show_body=False) for r in rows]
+    return render_list(items, show_body=False, width=sys.maxsize)
 
 
 # -- queue show --------------------------------------------------------------------
 
 
 def show_fields(row: StoredRow) -> dict[str, Any]:
-    """Every column but the body, in display form (RFC 3339 times, ACKs as text)."""
+    """Every column but the body, in display form (RFC 3339 times, ACKs as text).
+
+    Values stay as stored (an empty MSH field is ``""``, an unset column
+    None) — the JSON shape; :func:`render_show` writes both as ``-``.
+    ``server_reason`` comes right after ``server_status``.
+    """
     encoding = row.encoding
     out: dict[str, Any] = {}
     for f in dataclasses.fields(row):
         key, value = f.name, getattr(row, f.name)
+        if key == "server_reason":
+            continue
         if key == "body":
             out["body_bytes"] = len(value)
         elif key in _TIME_FIELDS:
@@ -272,18 +379,21 @@ def show_fields(row: StoredRow) -> dict[str, Any]:
             out[key] = decode(value, encoding)
         else:
             out[key] = value
+        if key == "server_status":
+            out["server_reason"] = row.server_reason
     out["attempts_since_redrive"] = int(row.attempts) - int(row.redrive_base)
     return out
 
 
 def render_show(fields: dict[str, Any]) -> str:
+    """``queue show`` as text: one field a line, then the three ACKs a segment a line; unset is ``-``."""
     out: list[str] = []
     blocks = ("ack_sent", "app_ack", "server_ack")
     width = max(len(k) for k in fields)
     for key, value in fields.items():
         if key in blocks:
             continue
-        out.append(f"{key.ljust(width)}  {'-' if value is None else value}")
+        out.append(f"{key.ljust(width)}  {cell(value)}")
     titles = {"ack_sent": "ACK sent to the source (intake)",
               "app_ack": "application ACK owed/relayed to the source",
               "server_ack": "server's ACK (transmit_response)"}  # fmt: skip
@@ -294,3 +404,29 @@ def render_show(fields: dict[str, Any]) -> str:
         for seg in segments(value or ""):
             out.append(f"    {seg}")
     return "\n".join(out) + "\n"
+
+
+# -- queue show --raw on a terminal ----------------------------------------------------
+
+
+def raw_for_terminal(body: bytes, encoding: str | None) -> str:
+    """A stored message for a person at a terminal: a segment per line, nothing that moves the cursor.
+
+    HL7 ends segments with CR, which sends a terminal's cursor back to the
+    start of the line, so the raw bytes draw each segment over the last.
+    Here each segment gets its own line, and any other control character
+    (an escape sequence in hostile bytes, a stray VT or FS) is shown as
+    ``\\xNN``/``\\uNNNN`` instead of acting. Redirected output gets the exact bytes.
+    """
+    text = decode(body, encoding) or ""
+    lines = text.replace("\r\n", "\r").replace("\n", "\r").split("\r")
+    if lines and lines[-1] == "":
+        lines.pop()
+
+    def visible(ch: str) -> str:
+        if ch == "\t" or ch.isprintable() or unicodedata.category(ch) == "Zs":
+            return ch
+        code = ord(ch)
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+    return "".join("".join(visible(ch) for ch in line) + "\n" for line in lines)
