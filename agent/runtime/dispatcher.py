@@ -660,19 +660,23 @@ class Dispatcher:
 
     async def _give_up(
         self, channel: ChannelSettings, epoch: int, head: HeadRow, attempt: int, state: str,
-        code: str, text: str, mlog: Any,
+        code: str, text: str, mlog: Any, server_reason: str | None = None,
     ) -> None:
         app_ack = self._app_ack_for(head, 500, None) if head.ack_mode != "commit" else None
 
         def apply(s: SqliteStore) -> bool:
             done = s.fail_live(self.me.holder, epoch, head.id, attempt, state,
-                               error_code=code, error_text=text, app_ack=app_ack)
+                               error_code=code, error_text=text, app_ack=app_ack,
+                               server_reason=server_reason)
             if done and channel.on_reject == "pause":
                 s.pause_channel(channel.name, f"{state} row {head.id}: {text}")
             return done
 
         if await self._store(apply):
-            mlog.warning("message_" + state, error_code=code, reason=text)
+            # message_failed; a row the agent cannot send is message_unsendable (not
+            # message_rejected: that names intake's rejects, docs/operations.md#log-events).
+            mlog.warning("message_failed" if state == "failed" else "message_unsendable",
+                         error_code=code, reason=text)
             self._settled(channel, head, state, app_ack)
 
     def _settled(self, channel: ChannelSettings, head: HeadRow, state: str, app_ack: bytes | None) -> None:
@@ -708,19 +712,22 @@ class Dispatcher:
     ) -> None:
         holder = self.me.holder
         kind = classify_status(response.status)
+        # The server's own words (MSA-3, ERR texts of its ACK), kept with the row for operators.
+        reason = acks.server_reason(response.ack)
         if kind == "transient":
             used = attempt - head.redrive_base
             if attempts_exhausted(used, channel.max_attempts):
                 await self._give_up(channel, epoch, head, attempt, "failed", str(response.status),
                                     f"max_attempts {channel.max_attempts} reached; last status "
-                                    f"{response.status}", mlog)
+                                    f"{response.status}", mlog, server_reason=reason)
                 return
             d = self.settings.dispatch
             delay = retry_delay(used, initial=d.retry_initial, cap=d.retry_cap)
             await self._store(
                 lambda s: s.requeue(holder, epoch, head.id, attempt, time.time() + delay,
                                     server_status=response.status, error_code=str(response.status),
-                                    error_text=f"transient status {response.status}; retry in {delay:.1f}s")
+                                    error_text=f"transient status {response.status}; retry in {delay:.1f}s",
+                                    server_reason=reason)
             )
             mlog.info("transmit_retry_scheduled", status=response.status, attempt=attempt, delay_s=round(delay, 2))
             return
@@ -733,14 +740,17 @@ class Dispatcher:
                 server_status=response.status, server_ack=response.ack, app_ack=app_ack,
                 error_code=None if state == "processed" else str(response.status),
                 error_text=None if state == "processed" else f"rejected by server (status {response.status})",
+                server_reason=None if state == "processed" else reason,
             )
             if done and state == "rejected" and channel.on_reject == "pause":
                 s.pause_channel(channel.name, f"rejected row {head.id} (status {response.status})")
             return done
 
         if await self._store(apply):
+            # Not message_rejected: that names intake's rejects (docs/operations.md#log-events).
             (mlog.info if state == "processed" else mlog.warning)(
-                "message_" + state, status=response.status, attempt=attempt
+                "message_processed" if state == "processed" else "message_rejected_by_server",
+                status=response.status, attempt=attempt,
             )
             self._settled(channel, head, state, app_ack)
         else:
