@@ -287,22 +287,26 @@ def fit_list(items: Sequence[dict[str, Any]], width: int) -> list[str]:
 
     Everything whole when it fits. Else ids shrink to their shortest unique
     prefix (8 characters or more: every command takes it), then times lose
-    their milliseconds (still RFC 3339), then the error text, the message
+    their milliseconds (still RFC 3339), message types their structure
+    (``ADT^A01^ADT_A01`` → ``ADT^A01``), then the error text, the message
     type, the control id and the channel are cut (ending in ``…``). The
     other columns are never cut; a terminal narrower than them gets longer lines.
     """
     ids = [str(i["id"]) for i in items]
     short = _unique_prefix(ids)
 
-    def rows(id_len: int | None, millis: bool) -> list[list[str]]:
+    def rows(id_len: int | None, millis: bool, full_type: bool) -> list[list[str]]:
         out = []
         for i in items:
             received = i["received_at"]
             if received and not millis and len(received) == 24:
                 received = received[:19] + "Z"  # 2026-05-01T06:12:44.031Z -> …:44Z
+            kind = str(i["message_type"] or "")
+            if not full_type:
+                kind = "^".join(kind.split("^")[:2])  # MSH-9.1 and 9.2: what people read
             out.append([
                 cell(str(i["id"])[:id_len] if id_len else i["id"]), cell(i["channel"]), cell(i["seq"]),
-                cell(i["state"]), cell(i["control_id"]), cell(i["message_type"]), cell(i["attempts"]),
+                cell(i["state"]), cell(i["control_id"]), cell(kind), cell(i["attempts"]),
                 cell(received), cell(error_cell(i["error_code"], i.get("server_reason"))),
             ])  # fmt: skip
         return out
@@ -318,8 +322,9 @@ def fit_list(items: Sequence[dict[str, Any]], width: int) -> list[str]:
 
     cells: list[list[str]] = []
     widths: list[int] = []
-    for id_len, millis in ((None, True), (short, True), (short, False)):
-        cells = rows(id_len, millis)
+    for id_len, millis, full_type in ((None, True, True), (short, True, True), (short, False, True),
+                                      (short, False, False)):
+        cells = rows(id_len, millis, full_type)
         widths = natural(cells)
         if total(widths) <= width:
             return table_lines(LIST_HEADERS, cells, widths, right=(2, 6))
