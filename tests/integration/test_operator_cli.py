@@ -393,3 +393,35 @@ def run_on_pty(config: Path, *argv: str, timeout: float = 30.0) -> bytes:
             proc.kill()
         os.close(master)
     return out
+
+
+class TestOlderSchema:
+    def test_read_commands_say_so_write_commands_upgrade(self, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+        """A schema-1 file (its daemon not upgraded yet): list says what to do instead of a SQL error;
+        a write command applies the additive migration first, then everything reads it."""
+        from tests.integration.test_queue_cli import write_config
+
+        data_dir = tmp_path / "data"
+        config = write_config(tmp_path / "agent.toml", data_dir)
+        first = db.load_migrations()[:1]
+        monkeypatch.setattr(db, "load_migrations", lambda: first)
+        monkeypatch.setattr(db, "SCHEMA_VERSION", 1)
+        db.open_database(data_dir / "queue.db", AGENT_ID, db.DatabaseOptions(), time.time()).close()
+        monkeypatch.undo()
+        for name in list(os.environ):
+            if name.startswith("HL7_AGENT_"):
+                monkeypatch.delenv(name)
+        code = main(["queue", "list", "--config", str(config)])
+        _, err = capsys.readouterr()
+        assert code == 1 and err.count("\n") == 1
+        assert "has schema 1, this hl7-agent reads schema 2: start this version's daemon once" in err
+        assert main(["channel", "pause", "adt", "--config", str(config)]) == 0
+        capsys.readouterr()
+        assert main(["queue", "list", "--config", str(config)]) == 0
+        conn = db.connect(data_dir / "queue.db", db.DatabaseOptions(), create=False)
+        try:
+            assert db.read_meta(conn)["schema_version"] == "2"
+        finally:
+            conn.close()
