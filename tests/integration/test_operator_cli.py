@@ -225,7 +225,7 @@ class TestAuditEntries:
         me = operator()
         assert [(e["action"], e["channel"], e["rows"], e["status"], e["os_user"]) for e in got] == [
             ("pause", "adt", 0, "done", me), ("resume", "adt", 0, "done", me),
-            ("retry", None, 1, "done", me), ("retry", None, 1, "done", me),
+            ("retry", "adt", 1, "done", me), ("retry", None, 1, "done", me),
             ("fail", "adt", 1, "done", me), ("purge", None, 2, "done", me)]
         assert got[2]["detail"] == {"ids": [queue.ids["adt2"]], "channels": {"adt": 1}}
         assert got[3]["detail"] == {"state": "rejected", "channels": {"adt": 1}}

@@ -243,7 +243,7 @@ class TestAuditLog:
             me = operator()
             assert [(e["action"], e["channel"], e["rows"], e["user"], e["status"]) for e in lines] == [
                 ("pause", "adt", 0, me, "done"), ("fail", "adt", 1, me, "done"),
-                ("retry", None, 1, me, "done"), ("purge", None, 1, me, "done"),
+                ("retry", "adt", 1, me, "done"), ("purge", None, 1, me, "done"),
                 ("resume", "adt", 0, me, "done")]
             assert lines[1]["ids"] == [hold] and lines[1]["reason"] == "wrong ward"
             assert lines[2]["ids"] == [hold] and lines[2]["channels"] == {"adt": 1}

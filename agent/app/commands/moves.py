@@ -62,6 +62,12 @@ def _per_channel(channels: Iterable[str]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def _only_channel(channels: Iterable[str]) -> str | None:
+    """The channel of the audit entry: the one channel of the rows moved, None when several."""
+    names = set(channels)
+    return names.pop() if len(names) == 1 else None
+
+
 def _paused_hint(store: SqliteStore, channels: Iterable[str]) -> None:
     paused = store.paused_channels() & set(channels)
     for name in sorted(paused):
@@ -117,6 +123,7 @@ def _retry_ids(settings: Settings, texts: list[str], dry_run: bool) -> int:
                         outcomes = store.redrive_ids(batch, time.time())
                         moved.extend((o.id, o.channel or "") for o in outcomes if o.result == "moved")
                         if moved:
+                            audit.channel = _only_channel(c for _, c in moved)
                             audit.record(store, rows=len(moved), detail=detail(), last=last)
                 for o in outcomes:
                     if o.result == "missing":
@@ -271,7 +278,7 @@ def cmd_fail(settings: Settings, args: argparse.Namespace) -> int:
                     )
                     moved.extend(o for o in outcomes if o.result == "moved")
                     if moved:
-                        audit.channel = moved[0].channel if len({o.channel for o in moved}) == 1 else None
+                        audit.channel = _only_channel(o.channel or "" for o in moved)
                         audit.record(store, rows=len(moved), detail=detail(), last=last)
                 for o in outcomes:
                     if o.result == "moved":
