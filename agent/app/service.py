@@ -29,7 +29,7 @@ from agent import __version__
 from agent.app.config import Settings
 from agent.core.timefmt import rfc3339
 from agent.errors import AdminListenInUse, LocalError, StorageError
-from agent.runtime import adoption, sockets
+from agent.runtime import adoption, audit, sockets
 from agent.runtime.admin import AdminServer, LoopHeartbeat, RuntimeView
 from agent.runtime.aio import cancel_and_wait, unless
 from agent.runtime.metrics import AgentMetrics
@@ -259,6 +259,8 @@ class Agent:
                     log.warning("application_ack_without_upstream", channel=channel.name,
                                 hint="senders get AR after application_ack_timeout until [server] url is set")
         self.tasks.append(asyncio.create_task(self._supervise(self._maintenance(), "maintenance")))
+        self.tasks.append(asyncio.create_task(self._supervise(
+            audit.log_operator_actions(self.writer, self.reader), "operator_actions")))
         self.tasks.append(asyncio.create_task(self._supervise(self._watchdog(), "watchdog")))
         self.notifier.ready(status=self._status_line())
         log.info(

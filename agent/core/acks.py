@@ -3,6 +3,10 @@
 Ours rather than ``hl7.create_ack``: that one omits the ERR segment, hard-codes
 parts of the MSH and breaks on a short inbound MSH. A broken MSH must still get
 a reject ACK, so ``build_ack`` never raises on odd input.
+
+Reading an ACK is here too (``read_ack_code``, ``server_reason``): it shares
+the delimiter and escape rules with building one, which is why the module is
+somewhat over 400 lines.
 """
 
 from __future__ import annotations
@@ -325,19 +329,21 @@ def application_ack_wanted(inbound: Envelope, success: bool) -> bool:
 
 
 def app_ack_from_status(
-    inbound: Envelope, status: int, codec: str, *, now: datetime | None = None
+    inbound: Envelope, status: int, codec: str, *, now: datetime | None = None,
+    text: str | None = None,
 ) -> bytes:
     """The application ACK for a server answer without ``ack`` (docs/acks.md#relayed-application-acks).
 
-    AA for 2xx, else AE with ERR-3 207. Enhanced-mode senders get the same codes:
-    application ACKs use AA/AE/AR, not the commit codes CA/CE/CR.
+    AA for 2xx, else AE with ERR-3 207 (MSA-3 ``text``, else the status).
+    Enhanced-mode senders get the same codes: application ACKs use AA/AE/AR,
+    not the commit codes CA/CE/CR.
     """
     if 200 <= status < 300:
         return build_ack(inbound, AckCode.AA, codec=codec, now=now)
     return build_ack(
         inbound,
         AckCode.AE,
-        text=f"rejected by the receiving system (status {status})",
+        text=text if text is not None else f"rejected by the receiving system (status {status})",
         error_code=207,
         codec=codec,
         now=now,
@@ -371,110 +377,120 @@ def read_ack_code(ack: bytes) -> str | None:
     return None
 
 
-#: The longest reason ``server_reason`` returns (a server may send pages of text).
-REASON_LIMIT = 300
+# -- the receiving system's reason, for an operator --------------------------------
+
+#: The longest reason kept: enough for any real MSA-3/ERR text, short enough for a table cell.
+SERVER_REASON_MAX = 500
+_HEX_ESCAPE = re.compile(r"X((?:[0-9A-Fa-f]{2})+)")
 
 
 def _unescape(text: str, field: str, component: str, repetition: str, escape: str,
               subcomponent: str) -> str:
-    """HL7 escape sequences in free text back to characters (HL7 2.5 ch. 2.7).
-
-    ``\\F\\ \\S\\ \\R\\ \\T\\ \\E\\`` become their delimiters, ``\\.br\\`` a space,
-    ``\\Xhh…\\`` its bytes (Latin-1), and what only formats or switches character
-    sets (``\\H\\``, ``\\N\\``, ``\\C…\\``, ``\\M…\\``, ``\\Z…\\``) is dropped.
-    """
+    """HL7 escape sequences back to text (HL7 2.5 ch. 2.7): \\F\\ \\S\\ \\T\\ \\R\\ \\E\\ \\Xhh\\ \\.br\\."""
     if not escape or escape not in text:
         return text
-    named = {"F": field, "S": component, "R": repetition, "T": subcomponent, "E": escape,
+    named = {"F": field, "S": component, "T": subcomponent, "R": repetition, "E": escape,
              ".br": " ", "H": "", "N": ""}
-    out: list[str] = []
-    rest = text
-    while escape in rest:
-        before, _, after = rest.partition(escape)
-        out.append(before)
-        body, found, tail = after.partition(escape)
-        if not found:  # an escape character that opens nothing: keep it as text
-            out.append(escape + after)
-            rest = ""
-            break
-        if body in named:
-            out.append(named[body])
-        elif body[:1] == "X" and len(body) % 2 == 1:
-            try:
-                out.append(bytes.fromhex(body[1:]).decode("latin-1"))
-            except ValueError:
-                out.append(escape + body + escape)
-        elif body[:1] not in ("C", "M", "Z"):
-            out.append(escape + body + escape)
-        rest = tail
-    out.append(rest)
+    parts = text.split(escape)
+    out = [parts[0]]
+    # Odd pieces sit between two escape characters; a lone one stays as it is.
+    index = 1
+    while index < len(parts):
+        if index + 1 < len(parts):
+            code = parts[index]
+            hexed = _HEX_ESCAPE.fullmatch(code)
+            if code in named:
+                out.append(named[code])
+            elif hexed:
+                out.append(bytes.fromhex(hexed.group(1)).decode("latin-1"))
+            elif code[:1] in ("C", "M", "Z"):
+                pass  # character set switches and local escapes: nothing to read
+            else:
+                out.append(escape + code + escape)
+            out.append(parts[index + 1])
+            index += 2
+        else:
+            out.append(escape + parts[index])
+            index += 1
     return "".join(out)
 
 
-def server_reason(ack_text: str | None, *, limit: int = REASON_LIMIT) -> str | None:
-    """The server's reason, in words, from its ACK text; None when it gives none; never raises.
+def server_reason(ack: str | None, *, limit: int = SERVER_REASON_MAX) -> str | None:
+    """The receiving system's own words for its answer, from the ACK it sent; None without any.
 
-    What an operator needs to fix a rejected message is the server's own text,
-    not only its status: MSA-3 (text message), then per ERR segment ERR-8
-    (user message), ERR-7 (diagnostic information), the text of ERR-5
-    (application error code) and of ERR-3 (HL7 error code, table 0357, with
-    the code) — or, before v2.5, the text of ERR-1's code component. Texts are
-    unescaped, repeated ones dropped, joined with "; " and cut at ``limit``.
+    What an operator needs when a message is rejected: the texts written for
+    people come first — MSA-3 (text message), then per ERR segment ERR-8 (user
+    message) or else ERR-7 (diagnostic information), with ERR-2's location
+    (``PID-3``) when given. Only when there is no such text, the coded errors
+    stand in: ERR-5 (application error code), ERR-3 (HL7 table 0357 code), in
+    v2.1-2.4 ERR-1's code, and MSA-6. HL7 escapes are undone, control
+    (non-printable) characters become spaces, repeats are dropped, and the result is at most
+    ``limit`` (:data:`SERVER_REASON_MAX`) characters. Never raises: the ACK is the
+    server's, anything may be in it.
     """
-    if not ack_text:
+    if not ack:
         return None
-    try:
-        return _server_reason(ack_text, limit)
-    except Exception:  # noqa: BLE001 - a server's odd ACK must never break a page or a command
-        return None
-
-
-def _server_reason(ack_text: str, limit: int) -> str | None:
-    segments = [s.strip("\x0b\x1c ") for s in re.split(r"\r\n|\r|\n", ack_text)]
-    field, encoding = DEFAULT_FIELD_SEP, DEFAULT_ENCODING_CHARS
-    for segment in segments:
-        if segment.startswith("MSH") and len(segment) > 4:
-            field = segment[3]
-            encoding = segment[4:].split(field, 1)[0] or DEFAULT_ENCODING_CHARS
-            break
-    chars = encoding + DEFAULT_ENCODING_CHARS[len(encoding):]
+    field, enc = DEFAULT_FIELD_SEP, DEFAULT_ENCODING_CHARS
+    segments: list[list[str]] = []
+    for raw in re.split(r"\r\n|\r|\n", ack.strip("\x0b\x1c\r\n ")):
+        line = raw.strip("\x0b\x1c ")
+        if line.startswith("MSH") and len(line) > 3:
+            field = line[3]
+            enc = line[4:].split(field, 1)[0] or DEFAULT_ENCODING_CHARS
+        elif line[:3] in ("MSA", "ERR"):
+            segments.append(line.split(field))
+    chars = enc + DEFAULT_ENCODING_CHARS[len(enc):]
     component, repetition, escape, subcomponent = chars[0], chars[1], chars[2], chars[3]
 
-    def text(raw: str) -> str:
-        plain = _unescape(raw, field, component, repetition, escape, subcomponent)
+    def text(value: str) -> str:
+        plain = _unescape(value, field, component, repetition, escape, subcomponent)
         return " ".join("".join(ch if ch.isprintable() else " " for ch in plain).split())
 
-    def part(raw: str, index: int, sep: str) -> str:
-        pieces = raw.split(sep)
-        return pieces[index] if len(pieces) > index else ""
+    def get(seg: list[str], n: int) -> str:
+        return seg[n] if len(seg) > n else ""
 
-    def coded(raw: str, sep: str) -> str:
-        """A CWE/CE value as ``text (code)``, the text alone, or the code alone."""
-        code, label = text(part(raw, 0, sep)), text(part(raw, 1, sep))
-        if label and code:
-            return f"{label} ({code})"
-        return label or code
+    def coded(value: str, sep: str) -> str:
+        """``code^text^system`` as "code text" (either part alone when the other is empty)."""
+        parts = value.split(sep)
+        return text(" ".join(p for p in parts[:2] if p.strip()))
 
-    found: list[str] = []
-    for segment in segments:
-        if not (segment.startswith(("MSA", "ERR")) and len(segment) > 3 and segment[3] == field):
+    def location(seg: list[str]) -> str:
+        """ERR-2 (v2.5+) or ERR-1's first components (before): ``PID-3``, ``PID-3.1``."""
+        for raw in (get(seg, 2), get(seg, 1)):
+            parts = raw.split(repetition, 1)[0].split(component)
+            if len(parts) >= 3 and parts[0].strip() and parts[2].strip().isdigit():
+                where = f"{text(parts[0])}-{parts[2].strip()}"
+                if len(parts) >= 5 and parts[4].strip().isdigit():
+                    where += f".{parts[4].strip()}"
+                return where
+        return ""
+
+    said: list[str] = []
+    codes: list[str] = []
+    for seg in segments:
+        if seg[0] == "MSA":
+            said.append(text(get(seg, 3)))
+            codes.append(coded(get(seg, 6), component))
             continue
-        fields = segment.split(field)
-
-        def at(n: int, fields: list[str] = fields) -> str:
-            return fields[n] if len(fields) > n else ""
-
-        if fields[0] == "MSA":
-            found.append(text(at(3)))
-            continue
-        for repeat in at(8).split(repetition) + at(7).split(repetition):
-            found.append(text(repeat))
-        found.append(coded(at(5), component))
-        found.append(coded(at(3), component))
-        for location in at(1).split(repetition):  # v2.1-2.4: segment^seq^field^code&text&system
-            found.append(coded(part(location, 3, component), subcomponent))
-    unique = list(dict.fromkeys(t for t in found if t))
+        where = location(seg)
+        suffix = f" (at {where})" if where else ""
+        words = [text(v) for v in get(seg, 8).split(repetition) + get(seg, 7).split(repetition)]
+        first = next((w for w in words if w), "")
+        if first:
+            said.append(first + suffix)
+        for value in (get(seg, 5), get(seg, 3)):
+            for rep in value.split(repetition):
+                if coded(rep, component):
+                    codes.append(coded(rep, component) + suffix)
+        ce = get(seg, 1).split(repetition, 1)[0].split(component)
+        if len(ce) >= 4:  # v2.1-2.4 ERR-1: segment^sequence^field^code&text&system
+            codes.append(coded(ce[3], subcomponent) + suffix)
+    pieces = list(dict.fromkeys(p for p in (said if any(said) else codes) if p))
+    # "102 Data type error" from MSA-6 says less than the same from ERR "(at PID-7)".
+    unique = [p for p in pieces if not any(o.startswith(p + " (at ") for o in pieces)]
     if not unique:
         return None
-    joined = "; ".join(unique)
-    return joined if len(joined) <= limit else joined[: limit - 1] + "…"
+    reason = "; ".join(unique)
+    if len(reason) > limit:
+        reason = reason[: limit - 1].rstrip() + "…"
+    return reason

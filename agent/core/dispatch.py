@@ -220,6 +220,7 @@ class Settle:
     app_ack: bytes | None = None
     error_code: str | None = None
     error_text: str | None = None
+    server_reason: str | None = None  # the server's own words (acks.server_reason), for operators
     pause: Pause | None = None
     note: Note | None = None  # logged when the row moved
     stale: Note | None = None  # logged when it did not (another attempt settled it)
@@ -236,6 +237,7 @@ class Requeue:
     error_code: str
     error_text: str
     server_status: int | None = None
+    server_reason: str | None = None
     note: Note | None = None
     stale: Note | None = None
     notes: tuple[Note, ...] = ()
@@ -255,6 +257,7 @@ class GiveUp:
     note: Note | None = None
     stale: Note | None = None
     notes: tuple[Note, ...] = ()
+    server_reason: str | None = None  # set when a server answer ended it (the last one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,18 +403,21 @@ def on_response(
     """The server answered ``attempt`` (docs/protocol.md#status-classes, docs/queue.md#settle)."""
     status = response.status
     kind = classify_status(status)
+    # The server's own words (MSA-3, ERR texts of its ACK), kept with the row for operators.
+    reason = acks.server_reason(response.ack) if kind is not StatusClass.PROCESSED else None
     if kind is StatusClass.TRANSIENT:
         used = attempt - row.redrive_base
         if attempts_exhausted(used, policy.max_attempts):
             return _give_up(row, attempt, State.FAILED, str(status),
-                            f"max_attempts {policy.max_attempts} reached; last status {status}", policy)
+                            f"max_attempts {policy.max_attempts} reached; last status {status}", policy,
+                            server_reason=reason)
         r = policy.retry
         delay = retry_delay(used, initial=r.initial, cap=r.cap, jitter=r.jitter, rng=rng)
         scheduled = Note.of("info", "transmit_retry_scheduled", status=status, attempt=attempt,
                             delay_s=round(delay, 2))
         return Requeue(row.id, attempt, now + delay, error_code=str(status),
                        error_text=f"transient status {status}; retry in {delay:.1f}s",
-                       server_status=status, note=scheduled, stale=scheduled)
+                       server_status=status, server_reason=reason, note=scheduled, stale=scheduled)
     app_ack, notes = _application_ack(row, status, response.ack)
     if kind is StatusClass.PROCESSED:
         return Settle(row.id, attempt, State.PROCESSED, response, app_ack,
@@ -420,8 +426,9 @@ def on_response(
     pause = (Pause(policy.name, f"rejected row {row.id} (status {status})")
              if policy.on_reject == "pause" else None)
     return Settle(row.id, attempt, State.REJECTED, response, app_ack, error_code=str(status),
-                  error_text=f"rejected by server (status {status})", pause=pause,
-                  note=Note.of("warning", "message_rejected", status=status, attempt=attempt),
+                  error_text=f"rejected by server (status {status})", server_reason=reason, pause=pause,
+                  # Not message_rejected: that names intake's rejects (docs/operations.md#log-events).
+                  note=Note.of("warning", "message_rejected_by_server", status=status, attempt=attempt),
                   stale=_stale(attempt), notes=notes)
 
 
@@ -490,11 +497,16 @@ def too_big_victim(in_flight: Iterable[tuple[str, int]]) -> str | None:
     return victim
 
 
-def _give_up(row: Row, attempt: int, state: State, code: str, text: str, policy: ChannelPolicy) -> GiveUp:
+def _give_up(row: Row, attempt: int, state: State, code: str, text: str, policy: ChannelPolicy,
+             *, server_reason: str | None = None) -> GiveUp:
     app_ack, notes = _application_ack(row, GIVE_UP_STATUS, None)
     pause = Pause(policy.name, f"{state} row {row.id}: {text}") if policy.on_reject == "pause" else None
+    # message_failed; a row the agent cannot send (too big, undecodable) is
+    # message_unsendable, not message_rejected: that names intake's rejects.
+    event = "message_failed" if state is State.FAILED else "message_unsendable"
     return GiveUp(row.id, attempt, state, code, text, app_ack, pause,
-                  note=Note.of("warning", f"message_{state}", error_code=code, reason=text), notes=notes)
+                  note=Note.of("warning", event, error_code=code, reason=text), notes=notes,
+                  server_reason=server_reason)
 
 
 def with_attempt(send: Send, attempt: int) -> Transmit:

@@ -75,7 +75,7 @@ def _settle(store: SqliteStore, holder: str, epoch: int, a: Settle) -> bool:
     done = store.settle(
         holder, epoch, a.id, a.attempt, a.state,
         server_status=a.response.status, server_ack=a.response.ack, app_ack=a.app_ack,
-        error_code=a.error_code, error_text=a.error_text,
+        error_code=a.error_code, error_text=a.error_text, server_reason=a.server_reason,
     )
     if done and a.pause is not None:
         store.pause_channel(a.pause.channel, a.pause.reason)
@@ -85,7 +85,8 @@ def _settle(store: SqliteStore, holder: str, epoch: int, a: Settle) -> bool:
 def _give_up(store: SqliteStore, holder: str, epoch: int, a: GiveUp) -> bool:
     """Event.GIVE_UP; with ``a.pause``, the channel's pause flag in the same commit."""
     done = store.fail_live(holder, epoch, a.id, a.attempt, a.state,
-                           error_code=a.error_code, error_text=a.error_text, app_ack=a.app_ack)
+                           error_code=a.error_code, error_text=a.error_text, app_ack=a.app_ack,
+                           server_reason=a.server_reason)
     if done and a.pause is not None:
         store.pause_channel(a.pause.channel, a.pause.reason)
     return done
@@ -303,6 +304,7 @@ class ChannelWorker:
             done = await ctx.writer.call(
                 SqliteStore.requeue, ctx.holder, epoch, action.id, action.attempt, action.next_attempt_at,
                 server_status=action.server_status, error_code=action.error_code, error_text=action.error_text,
+                server_reason=action.server_reason,
             )
         note = action.note if done else action.stale
         if note is not None:

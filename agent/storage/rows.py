@@ -28,11 +28,13 @@ __all__ = [
     "LeaseRow",
     "ListedRow",
     "LiveCount",
+    "OperatorAction",
     "RecentFailure",
     "RedriveOutcome",
     "ResultRow",
     "RowFilter",
     "RowPlace",
+    "SetAsideOutcome",
     "StateCount",
     "StatusHead",
     "StoredRow",
@@ -206,6 +208,8 @@ class ListedRow:
     updated_at: float
     encoding: str | None
     body: bytes | None
+    error_text: str | None = None
+    server_reason: str | None = None
 
     def __post_init__(self) -> None:
         _as_state(self)
@@ -246,6 +250,8 @@ class StoredRow:
     sent_at: float | None
     settled_at: float | None
     updated_at: float
+    #: The receiving system's own words (agent.core.acks.server_reason), schema 2.
+    server_reason: str | None = None
 
     def __post_init__(self) -> None:
         _as_state(self)
@@ -294,7 +300,12 @@ class LiveCount:
 
 @dataclass(frozen=True)
 class RecentFailure:
-    """A failed or rejected row for the status page (no body)."""
+    """A failed or rejected row for the status page (no body).
+
+    ``server_reason``: the receiving system's own words for its answer (MSA-3,
+    ERR texts), None when it gave none or never answered; ``server_status``
+    its last status.
+    """
 
     id: str
     channel: str
@@ -305,6 +316,8 @@ class RecentFailure:
     error_text: str | None
     attempts: int
     updated_at: float
+    server_status: int | None = None
+    server_reason: str | None = None
 
     def __post_init__(self) -> None:
         _as_state(self)
@@ -370,3 +383,36 @@ class ChannelActivity:
     paused: bool
     paused_at: float | None
     paused_reason: str | None
+
+
+@dataclass(frozen=True)
+class SetAsideOutcome:
+    """What ``queue fail ID`` did to one row.
+
+    ``result``: ``moved`` (now failed); ``missing`` (no such row); ``refused``
+    (not queued at that instant — a claim won, or it is settled: ``state``
+    says what it is).
+    """
+
+    id: str
+    result: Literal["moved", "missing", "refused"]
+    state: State | None = None
+    channel: str | None = None
+    seq: int | None = None
+
+
+@dataclass(frozen=True)
+class OperatorAction:
+    """One operator command that changed the queue, as its entry stands (the audit log)."""
+
+    id: int
+    action: str
+    os_user: str
+    pid: int
+    channel: str | None
+    reason: str | None
+    rows: int
+    detail: str  # JSON object
+    status: str
+    started_at: float
+    updated_at: float

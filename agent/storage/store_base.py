@@ -36,6 +36,7 @@ TRANSITION_QUERIES: dict[str, Event] = {
     "recover_claimed": Event.RECOVER,
     "op_redrive_one": Event.REDRIVE,
     "op_redrive_batch": Event.REDRIVE,
+    "op_set_aside": Event.SET_ASIDE,
 }
 
 #: The named queries that select or delete rows by a group of states, by the

@@ -531,26 +531,28 @@ class TestServerReason:
     """The server's reason in words, read from its ACK text (HL7 2.5 ch. 2.14.5 ERR, 2.14.8 MSA)."""
 
     def test_msa3_and_err3_of_a_v25_reject(self) -> None:
-        """MSA-3 first, then ERR-3's table 0357 text with its code."""
+        """MSA-3, written for people, stands alone: the coded errors only stand in for missing text."""
         ack = build_ack(env(V25), AckCode.AE, text="unknown patient identifier in PID-3",
                         error_code=204).decode()
-        assert server_reason(ack) == "unknown patient identifier in PID-3; Unknown key identifier (204)"
+        assert server_reason(ack) == "unknown patient identifier in PID-3"
+        coded_only = build_ack(env(V25), AckCode.AE, error_code=204).decode()
+        assert server_reason(coded_only) == "204 Unknown key identifier"
 
     def test_before_v25_the_code_is_in_err1(self) -> None:
         """v2.1-2.4 put the code in ERR-1's fourth component, as subcomponents; MSA-3 is unescaped."""
         v23 = V25.replace("|2.5", "|2.3")
         ack = build_ack(env(v23), AckCode.AE, text="bad|field", error_code=207).decode()
-        assert server_reason(ack) == "bad|field; Application internal error (207)"
+        assert server_reason(ack) == "bad|field"
+        coded_only = build_ack(env(v23), AckCode.AE, error_code=207).decode()
+        assert server_reason(coded_only) == "207 Application internal error"
 
     def test_user_message_and_diagnostics_in_the_senders_delimiters(self) -> None:
-        """ERR-8 (each repetition) comes before the coded texts; delimiters are MSH-1/2's."""
+        """ERR-8's first text with ERR-2's location, in the sender's delimiters (MSH-1/2)."""
         ack = ("MSH#$*@!#EHR#C##L#N#20240101##ACK$A01$ACK#1#P#2.5.1\r"
                "MSA#AE#C1\r"
                "ERR##PID$1$3#204$Unknown key identifier$HL70357#E#E42$Patient not found#"
                "##Patient 123@F@4 is unknown*second line#\r")
-        assert server_reason(ack) == (
-            "Patient 123#4 is unknown; second line; Patient not found (E42); Unknown key identifier (204)"
-        )
+        assert server_reason(ack) == "Patient 123#4 is unknown (at PID-3)"
 
     def test_escapes_and_formatting(self) -> None:
         """Hex escapes become their bytes, .br a space, highlighting and charset escapes go."""

@@ -144,7 +144,7 @@ class TestDecideHead:
         assert isinstance(decision, GiveUp)
         assert (decision.state, decision.error_code, decision.attempt) == (State.REJECTED, "102", 0)
         assert decision.error_text.startswith("stored message cannot be decoded as utf-8")
-        assert event_of(decision.note) == "message_rejected"
+        assert event_of(decision.note) == "message_unsendable"
 
 
 class TestAmbiguousRows:
@@ -201,7 +201,7 @@ class TestOnResponse:
         assert (action.state, action.error_code, action.error_text) == (
             State.REJECTED, "400", "rejected by server (status 400)")
         assert action.pause == pause
-        assert event_of(action.note) == "message_rejected" and action.note is not None and action.note.level == "warning"
+        assert event_of(action.note) == "message_rejected_by_server" and action.note is not None and action.note.level == "warning"
 
     @pytest.mark.parametrize(("attempt", "delay"), [(1, 0.1), (2, 0.2), (3, 0.4), (4, 0.5), (9, 0.5)])
     def test_503_is_retried_after_a_doubling_backoff(self, attempt: int, delay: float) -> None:
