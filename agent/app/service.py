@@ -27,7 +27,8 @@ import structlog
 
 from agent import __version__
 from agent.app.config import Settings
-from agent.errors import AdminListenInUse, LocalError, StorageError
+from agent.app.preflight import data_dir_problem, running_user
+from agent.errors import AdminListenInUse, StartupError, StorageError
 from agent.runtime import adoption, sockets
 from agent.runtime.admin import AdminServer, LoopHeartbeat, RuntimeView
 from agent.runtime.aio import cancel_and_wait, unless
@@ -80,8 +81,17 @@ class Agent:
 
     def _open_database(self) -> None:
         s = self.settings
+        problem = data_dir_problem(s.agent.data_dir)
+        if problem is not None:
+            raise StartupError(problem.message(), key="agent.data_dir", path=str(problem.path),
+                               error=problem.error)
         options = db_options(s.queue)
-        conn = db.open_database(s.db_path, s.agent.id, options, time.time())
+        try:
+            conn = db.open_database(s.db_path, s.agent.id, options, time.time())
+        except (OSError, StorageError) as exc:
+            error = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
+            raise StartupError(f"agent.data_dir: {error}", key="agent.data_dir", path=str(s.db_path),
+                               error=error) from exc
         self.writer = Writer(make_store(conn, s.db_path, s.queue))
         self.writer.start()
         self.reader = Reader(make_store(db.connect(s.db_path, options, create=False), s.db_path, s.queue))
@@ -133,7 +143,7 @@ class Agent:
             if handed:
                 log.info("listeners_received_by_handover", channels=sorted(set(handed) & missing))
         reuse_port = self.settings.agent.reuse_port
-        for channel in self.settings.channels:
+        for index, channel in enumerate(self.settings.channels):
             if channel.name in found:
                 continue
             if reuse_port and not sockets.tcp_migrate_req_enabled():
@@ -150,8 +160,10 @@ class Agent:
             except OSError as exc:
                 # A runtime failure (exit 1), not a configuration error: the
                 # same config works once the port is free.
-                raise LocalError(
-                    f"channels.{channel.name}.listen: cannot listen on {channel.listen}: {exc.strerror or exc}"
+                error = exc.strerror or str(exc)
+                raise StartupError(
+                    f"channels.{channel.name}.listen: cannot listen on {channel.listen}: {error}",
+                    key=f"channels[{index}].listen", error=error,
                 ) from exc
         sockets.store_listeners(to_store)
         return found
@@ -208,8 +220,14 @@ class Agent:
             metrics=self.metrics,
         )
         socks = await self._listening_sockets()
-        for channel in s.channels:
-            listener = ChannelListener(channel, socks[channel.name], ctx)
+        for index, channel in enumerate(s.channels):
+            try:
+                listener = ChannelListener(channel, socks[channel.name], ctx)
+            except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: a bad certificate or key
+                error = str(exc)
+                raise StartupError(f"channels.{channel.name}.tls_cert: cannot load the certificate "
+                                   f"or its key: {error}", key=f"channels[{index}].tls_cert",
+                                   path=str(channel.tls_cert), error=error) from exc
             await listener.start()
             self.listeners.append(listener)
             host, port = socks[channel.name].getsockname()[:2]
@@ -496,13 +514,34 @@ class Agent:
             self.reader.close()
 
 
+def log_start_failure(exc: Exception) -> None:
+    """One ``agent_start_failed`` error event: the key to fix, the path, the running user, the error.
+
+    A log reader (journald, Docker) gets the reason as one structured line
+    before ``agent_stopped``; the CLI still prints its one-line message.
+    """
+    name, uid = running_user()
+    key = getattr(exc, "key", None)
+    log.error(
+        "agent_start_failed",
+        key=key,
+        path=getattr(exc, "path", None),
+        user=name,
+        uid=uid,
+        error=getattr(exc, "error", None) or str(exc) or type(exc).__name__,
+        message=str(exc) or type(exc).__name__,
+    )
+
+
 async def run_agent(settings: Settings) -> int:
     agent = Agent(settings)
     agent.install_signal_handlers()
     try:
         await agent.start()
-    except BaseException:
+    except BaseException as exc:
         agent.exit_code = 1
+        if isinstance(exc, Exception):
+            log_start_failure(exc)
         await agent.shutdown()
         raise
     await agent.stop_requested.wait()
