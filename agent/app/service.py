@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
+import os
 import signal
 import socket
 import time
@@ -28,7 +30,7 @@ import structlog
 from agent import __version__
 from agent.app.config import Settings
 from agent.app.preflight import data_dir_problem, running_user
-from agent.errors import AdminListenInUse, StartupError, StorageError
+from agent.errors import AdminListenInUse, ConfigError, StartupError, StorageError
 from agent.runtime import adoption, sockets
 from agent.runtime.admin import AdminServer, LoopHeartbeat, RuntimeView
 from agent.runtime.aio import cancel_and_wait, unless
@@ -48,6 +50,12 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 HANDOVER_SOCKET = "handover.sock"
+#: A taken admin address is tried again after these delays (seconds), the last one repeated:
+#: the survivor of an overlap is monitored at the usual address within seconds.
+ADMIN_REBIND_DELAYS = (0.2, 0.5, 1.0, 2.0)
+#: How often to look for another process on the same queue, and to report it again (seconds).
+OVERLAP_CHECK = 2.0
+OVERLAP_REPEAT = 900.0
 #: At shutdown without a successor: time kept to answer held application ACKs AR and close after
 #: (the lingering close waits up to 2 s for the sender to close its side).
 HELD_ACK_GRACE = 2.5
@@ -76,6 +84,8 @@ class Agent:
         self.dispatcher: Dispatcher | None = None
         self.tasks: list[asyncio.Task[None]] = []
         self._signals = 0
+        #: Set when the configured admin address was taken at start and is not ours yet.
+        self._admin_pending = False
 
     # -- start ---------------------------------------------------------------
 
@@ -243,15 +253,7 @@ class Agent:
         await self._start_adoption(ctx)
         self.metrics.bind_stats(self._view().stats)
         self.tasks.append(asyncio.create_task(self._supervise(self.heartbeat.run(), "heartbeat")))
-        if s.admin.listen:
-            admin = AdminServer(s.admin.listen, self._view(), self.metrics)
-            try:
-                admin.start()
-                self.admin = admin
-            except AdminListenInUse as exc:
-                # Intake matters more than metrics: an overlapping version that
-                # was not given its own admin address still takes messages.
-                log.error("admin_unavailable", error=str(exc))
+        self._start_admin()
         if s.server.url:
             from agent.runtime.dispatcher import Dispatcher  # the dispatcher pulls in websockets
 
@@ -266,6 +268,7 @@ class Agent:
                                 hint="senders get AR after application_ack_timeout until [server] url is set")
         self.tasks.append(asyncio.create_task(self._supervise(self._maintenance(), "maintenance")))
         self.tasks.append(asyncio.create_task(self._supervise(self._watchdog(), "watchdog")))
+        self.tasks.append(asyncio.create_task(self._supervise(self._watch_overlap(), "overlap")))
         self.notifier.ready(status=self._status_line())
         log.info(
             "agent_started",
@@ -275,6 +278,112 @@ class Agent:
             db=str(s.db_path),
             upstream=s.server.url,
         )
+
+    def _start_admin(self) -> None:
+        """Bind the admin address; when another process holds it, keep trying in the background.
+
+        Intake matters more than metrics: an overlapping version that was not
+        given its own admin address still takes messages, and binds the
+        address as soon as the other process lets it go, so the survivor of
+        an overlap is monitored (``health``, metrics, the page) at the usual
+        address.
+        """
+        listen = self.settings.admin.listen
+        if not listen:
+            return
+        admin = AdminServer(listen, self._view(), self.metrics)
+        try:
+            admin.start()
+        except AdminListenInUse as exc:
+            log.error("admin_unavailable", error=str(exc),
+                      hint="bound as soon as the other process frees it; give each overlapping "
+                           "version its own HL7_AGENT_ADMIN__LISTEN")
+            self._admin_pending = True
+            self.tasks.append(asyncio.create_task(self._supervise(self._rebind_admin(admin), "admin")))
+            return
+        except ConfigError as exc:
+            raise StartupError(str(exc), key="admin.listen", error=str(exc)) from exc
+        self.admin = admin
+
+    async def _rebind_admin(self, admin: AdminServer) -> None:
+        """Try the taken admin address again with a bounded backoff until it is ours."""
+        started = time.monotonic()
+        for attempt in itertools.count():
+            await asyncio.sleep(ADMIN_REBIND_DELAYS[min(attempt, len(ADMIN_REBIND_DELAYS) - 1)])
+            try:
+                admin.start()
+            except AdminListenInUse:
+                continue
+            except ConfigError as exc:
+                # Not taken any more but unusable (the address went away): say so, keep intake.
+                log.error("admin_unavailable", error=str(exc))
+                self._admin_pending = False
+                return
+            self.admin = admin
+            self._admin_pending = False
+            log.info("admin_address_acquired", listen=self.settings.admin.listen,
+                     waited_s=round(time.monotonic() - started, 1))
+            return
+
+    def overlap_grace(self) -> float:
+        """How long two processes on one queue are an upgrade: the new one starting, the old stopping."""
+        return 2 * self.settings.agent.shutdown_budget + 10.0
+
+    async def _other_instance(self) -> str | None:
+        """Why another agent process is known to run on this queue now, or None."""
+        if self.handover is not None and self.handover.superseded:
+            return "the listening sockets were handed to a newer process, and this one still runs"
+        if self._admin_pending:
+            return f"the admin address {self.settings.admin.listen} is still held by another process"
+        if self.reader is not None:
+            lease = await self.reader.call(SqliteStore.lease)
+            mine = self.dispatcher.me.holder if self.dispatcher is not None else None
+            # One SQLite file is one host's: an unexpired lease of another holder is a process here.
+            if lease is not None and lease.holder != mine and lease.expires_at > time.time():
+                return f"the dispatch lease is held by {lease.holder}"
+        return None
+
+    async def _watch_overlap(self) -> None:
+        """Warn when two processes run on one queue longer than an upgrade takes, and what to do.
+
+        In an upgrade the old process is stopped (SIGTERM) within seconds of the
+        new one being ready, so both running past ``overlap_grace`` means a
+        second instance was started by mistake (a manual ``run`` beside the
+        service, two containers on one volume) or an upgrade stalled. Both
+        processes say so: the newer one (the admin address or the lease still
+        held by the other), and the older one (its sockets were taken, yet
+        nobody stopped it). Repeated every ``OVERLAP_REPEAT`` while it lasts.
+        """
+        grace = self.overlap_grace()
+        since: float | None = None
+        warned_at = float("-inf")
+        while True:
+            await asyncio.sleep(OVERLAP_CHECK)
+            if self.stop_requested.is_set():
+                return
+            try:
+                why = await self._other_instance()
+            except StorageError:
+                continue  # the maintenance task reports storage trouble
+            now = time.monotonic()
+            if why is None:
+                since = None
+                continue
+            since = now if since is None else since
+            if now - since + OVERLAP_CHECK >= grace and now - warned_at >= OVERLAP_REPEAT:
+                warned_at = now
+                log.warning(
+                    "second_instance_running",
+                    reason=why,
+                    for_s=round(now - since + OVERLAP_CHECK),
+                    data_dir=str(self.settings.agent.data_dir),
+                    pid=os.getpid(),
+                    hint="two processes share this queue: intake is split between them, only one "
+                         "dispatches and only one serves the admin address. In an upgrade, stop "
+                         "the old one now (systemctl stop hl7-agent@<old colour>, docker stop OLD); "
+                         "otherwise stop the one started by mistake. Overlapping versions each "
+                         "need their own admin.listen.",
+                )
 
     async def _start_adoption(self, ctx: IntakeContext) -> None:
         """Take live connections from a predecessor, and give ours to a successor (docs/operations.md)."""
