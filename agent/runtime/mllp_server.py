@@ -37,6 +37,7 @@ from agent.runtime.adoption import NOTHING_OWED, Owed, OwedFrame, OwedRelay, Owe
 from agent.runtime.aio import unless
 from agent.runtime.relay import AckRelay
 from agent.runtime.sockets import guard_listener
+from agent.runtime.tls import HandshakeFailures, server_handshake
 from agent.storage.store import AuditItem, IntakeItem, IntakeResult
 from agent.storage.writer import Writer
 
@@ -179,6 +180,7 @@ class ChannelListener:
         self._refusals: dict[str, tuple[float, int]] = {}
         self._ssl = build_server_ssl(channel)
         self.log = log.bind(channel=channel.name)
+        self._handshake_failures = HandshakeFailures(self.log)
 
     async def start(self) -> None:
         # The listener may be shared with other processes (systemd, a
@@ -187,8 +189,10 @@ class ChannelListener:
         self.sock = guard_listener(self.sock)
         # asyncio calls listen() again: keep the shared socket's deep backlog
         # (a successor shares this accept queue during an upgrade).
+        # TLS is started per connection (_tls_handshake), not here: asyncio would
+        # drop a failed handshake without a word.
         self._server = await asyncio.start_server(
-            self._accept, sock=self.sock, ssl=self._ssl, limit=READ_CHUNK, backlog=LISTEN_BACKLOG
+            self._accept, sock=self.sock, limit=READ_CHUNK, backlog=LISTEN_BACKLOG
         )
 
     @property
@@ -242,11 +246,23 @@ class ChannelListener:
             self._count_refusal("source_not_allowed")
             writer.close()
             return
+        if self._ssl is not None and not await self._tls_handshake(writer, peer, remote):
+            return
         if not self._admit(source_address(peer), remote):
             writer.close()
             return
         # No await between admission and _serve adding the connection: the count stays exact.
         await self._serve(Connection(self, reader, writer, remote))
+
+    async def _tls_handshake(self, writer: asyncio.StreamWriter, peer: Any, remote: str) -> bool:
+        """TLS on a channel with tls_cert; a failure is logged (rate-limited per source) and counted."""
+        assert self._ssl is not None
+        error = await server_handshake(writer, self._ssl)
+        if error is None:
+            return True
+        self._handshake_failures.failed(source_address(peer), remote, error)
+        self._count_refusal("tls_handshake")
+        return False
 
     # -- admission -----------------------------------------------------------
 
