@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     send.add_argument("--host", default="127.0.0.1")
     send.add_argument("--port", type=_port, required=True)
     send.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each ACK")
+    send.add_argument("--tls", action="store_true",
+                      help="MLLP over TLS; the server's certificate must name --host")
+    send.add_argument("--ca", metavar="FILE", help="CA bundle (PEM) to verify the server "
+                      "(default: the system's trust store); needs --tls")
+    send.add_argument("--cert", metavar="FILE", help="client certificate (PEM) for a channel "
+                      "that requires one; needs --tls")
+    send.add_argument("--key", metavar="FILE", help="private key of --cert (default: in the --cert file)")
     send.add_argument("files", nargs="+", metavar="FILE")
 
     dev = command("dev-server", "run the reference upstream server (protocol v1)")
@@ -193,9 +200,15 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_send(args: argparse.Namespace) -> int:
-    from agent.app.client import send_files
+    from agent.app.client import ClientTls, send_files
+    from agent.errors import UsageError
 
-    return send_files(args.host, args.port, args.files, timeout=args.timeout)
+    if not args.tls and (args.ca or args.cert or args.key):
+        raise UsageError("send: --ca, --cert and --key need --tls")
+    if args.key and not args.cert:
+        raise UsageError("send: --key needs --cert")
+    tls = ClientTls(ca=args.ca, cert=args.cert, key=args.key) if args.tls else None
+    return send_files(args.host, args.port, args.files, timeout=args.timeout, tls=tls)
 
 
 def cmd_dev_server(args: argparse.Namespace) -> int:
