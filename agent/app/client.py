@@ -31,7 +31,7 @@ _MSH_START = re.compile(rb"(?:^|\r)(?=MSH)")
 def split_messages(data: bytes) -> list[bytes]:
     """Messages in a file: MLLP-framed, or plain text split at lines starting ``MSH``.
 
-    Plain text gets ``\\n``/``\\r\\n`` turned into ``\\r`` (SPEC 2).
+    Plain text gets ``\\n``/``\\r\\n`` turned into ``\\r`` (HL7 segments end with CR).
     """
     data = data.removeprefix(_UTF8_BOM)  # files saved by Windows editors
     if mllp.START_BLOCK in data:
