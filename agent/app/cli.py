@@ -147,10 +147,17 @@ def _settings(args: argparse.Namespace) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.app.service import run_agent
+    from agent.app.service import log_start_failure, run_agent
     from agent.runtime.logs import configure_logging, flush_logs
 
-    settings = _settings(args)
+    try:
+        settings = _settings(args)
+    except ConfigError as exc:
+        # No configuration to take the log format from: JSON for a log reader, text on a terminal.
+        configure_logging("info", "console" if sys.stderr.isatty() else "json")
+        log_start_failure(exc)
+        flush_logs()
+        raise
     level = "debug" if args.debug else settings.logging.level
     configure_logging(level, settings.logging.format)
     try:

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import itertools
 import os
+import re
 import signal
 import socket
 import time
@@ -631,6 +632,10 @@ def log_start_failure(exc: Exception) -> None:
     """
     name, uid = running_user()
     key = getattr(exc, "key", None)
+    if key is None and isinstance(exc, ConfigError):
+        # "config error: channels[1].name: …" names its key first.
+        found = re.match(r"config error: ([A-Za-z0-9_.\[\]]+):", str(exc))
+        key = found.group(1) if found else None
     log.error(
         "agent_start_failed",
         key=key,

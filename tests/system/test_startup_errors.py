@@ -12,6 +12,7 @@ import json
 import os
 import pwd
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,40 @@ class TestUnwritableDataDir:
         proc = _agent("check-config", "--config", str(config), cwd=tmp_path)
         assert proc.returncode == 2
         assert f"{data_dir / 'queue.db'} is not readable and writable" in proc.stderr
+
+
+class TestConfigErrorAtRun:
+    def test_invalid_configuration_is_one_json_event_too(self, tmp_path: Path) -> None:
+        """`run` with an invalid key: agent_start_failed names it, then the one config error line (exit 2)."""
+        config = tmp_path / "agent.toml"
+        config.write_text('[[channels]]\nname = "ADT"\nlisten = "127.0.0.1:2575"\n')
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HL7_AGENT_")}
+        proc = subprocess.run([sys.executable, "-m", "agent", "run", "--config", str(config)], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 2
+        first, second = proc.stderr.splitlines()
+        event = json.loads(first)
+        assert (event["event"], event["level"], event["key"]) == ("agent_start_failed", "error",
+                                                                  "channels[0].name")
+        assert event["user"] == USER
+        assert second.startswith("config error: channels[0].name: 'ADT' must match")
+
+
+class TestPortTaken:
+    def test_channel_port_in_use_names_the_channel_key(self, tmp_path: Path) -> None:
+        """A channel port another process holds: agent_start_failed with key channels[0].listen, exit 1."""
+        with socket.create_server(("127.0.0.1", 0)) as taken:
+            port = taken.getsockname()[1]
+            config = tmp_path / "agent.toml"
+            config.write_text(toml_config(tmp_path / "data", [{"name": "adt", "listen": f"127.0.0.1:{port}"}]))
+            env = {k: v for k, v in os.environ.items() if not k.startswith("HL7_AGENT_")}
+            proc = subprocess.run([sys.executable, "-m", "agent", "run", "--config", str(config)], env=env,
+                                  cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 1
+        events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+        (failed,) = [e for e in events if e["event"] == "agent_start_failed"]
+        assert failed["key"] == "channels[0].listen"
+        assert "in use" in failed["error"].lower()
 
 
 class TestDataDirProblem:
