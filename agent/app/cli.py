@@ -147,7 +147,8 @@ def _settings(args: argparse.Namespace) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.app.service import log_start_failure, run_agent
+    from agent.app.preflight import log_start_failure
+    from agent.app.service import run_agent
     from agent.runtime.logs import configure_logging, flush_logs
 
     try:

@@ -1,4 +1,5 @@
-"""Checks made before the daemon starts, shared by ``run`` and ``check-config``.
+"""Before the daemon starts: the checks ``run`` and ``check-config`` share, and the one
+``agent_start_failed`` event a failed start logs.
 
 A data directory the service user cannot write is the most common first-day
 failure (a folder created by root, a volume with the wrong owner, a
@@ -10,8 +11,15 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import structlog
+
+from agent.errors import ConfigError
+
+log = structlog.get_logger(__name__)
 
 #: The database and the side files SQLite opens next to it (WAL mode).
 _DB_FILES = ("queue.db", "queue.db-wal", "queue.db-shm")
@@ -91,3 +99,26 @@ def data_dir_problem(data_dir: Path) -> DataDirProblem | None:
             "or set agent.data_dir to a folder it can write",
         )
     return None
+
+
+def log_start_failure(exc: Exception) -> None:
+    """One ``agent_start_failed`` error event: the key to fix, the path, the running user, the error.
+
+    A log reader (journald, Docker) gets the reason as one structured line
+    before ``agent_stopped``; the CLI still prints its one-line message.
+    """
+    name, uid = running_user()
+    key = getattr(exc, "key", None)
+    if key is None and isinstance(exc, ConfigError):
+        # "config error: channels[1].name: …" names its key first.
+        found = re.match(r"config error: ([A-Za-z0-9_.\[\]]+):", str(exc))
+        key = found.group(1) if found else None
+    log.error(
+        "agent_start_failed",
+        key=key,
+        path=getattr(exc, "path", None),
+        user=name,
+        uid=uid,
+        error=getattr(exc, "error", None) or str(exc) or type(exc).__name__,
+        message=str(exc) or type(exc).__name__,
+    )

@@ -10,6 +10,9 @@ A second signal skips the waiting: connections are cut and the dispatcher
 cancelled, but every job already handed to the writer is still committed, so
 nothing that got an accept ACK is lost (inflight rows are recovered by the
 next lease holder, docs/queue.md#recovery).
+
+Over 400 lines on purpose: the start order and the stop order are read, and
+reviewed, side by side in this one class.
 """
 
 from __future__ import annotations
@@ -17,9 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
-import os
-import re
 import signal
 import socket
 import time
@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from agent import __version__
+from agent.app import overlap
 from agent.app.config import Settings
-from agent.app.preflight import data_dir_problem, running_user
+from agent.app.preflight import data_dir_problem, log_start_failure
 from agent.errors import AdminListenInUse, ConfigError, StartupError, StorageError
 from agent.runtime import adoption, sockets
 from agent.runtime.admin import AdminServer, LoopHeartbeat, RuntimeView
@@ -51,12 +52,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 HANDOVER_SOCKET = "handover.sock"
-#: A taken admin address is tried again after these delays (seconds), the last one repeated:
-#: the survivor of an overlap is monitored at the usual address within seconds.
-ADMIN_REBIND_DELAYS = (0.2, 0.5, 1.0, 2.0)
-#: How often to look for another process on the same queue, and to report it again (seconds).
-OVERLAP_CHECK = 2.0
-OVERLAP_REPEAT = 900.0
 #: At shutdown without a successor: time kept to answer held application ACKs AR and close after
 #: (the lingering close waits up to 2 s for the sender to close its side).
 HELD_ACK_GRACE = 2.5
@@ -269,7 +264,9 @@ class Agent:
                                 hint="senders get AR after application_ack_timeout until [server] url is set")
         self.tasks.append(asyncio.create_task(self._supervise(self._maintenance(), "maintenance")))
         self.tasks.append(asyncio.create_task(self._supervise(self._watchdog(), "watchdog")))
-        self.tasks.append(asyncio.create_task(self._supervise(self._watch_overlap(), "overlap")))
+        watch = overlap.watch_overlap(self._other_instance, grace=overlap.overlap_grace(s.agent.shutdown_budget),
+                                      stopping=self.stop_requested, data_dir=s.agent.data_dir)
+        self.tasks.append(asyncio.create_task(self._supervise(watch, "overlap")))
         self.notifier.ready(status=self._status_line())
         log.info(
             "agent_started",
@@ -300,35 +297,18 @@ class Agent:
                       hint="bound as soon as the other process frees it; give each overlapping "
                            "version its own HL7_AGENT_ADMIN__LISTEN")
             self._admin_pending = True
-            self.tasks.append(asyncio.create_task(self._supervise(self._rebind_admin(admin), "admin")))
+
+            def bound(ok: bool) -> None:
+                self._admin_pending = False
+                if ok:
+                    self.admin = admin
+
+            task = overlap.rebind_admin(admin, listen, bound)
+            self.tasks.append(asyncio.create_task(self._supervise(task, "admin")))
             return
         except ConfigError as exc:
             raise StartupError(str(exc), key="admin.listen", error=str(exc)) from exc
         self.admin = admin
-
-    async def _rebind_admin(self, admin: AdminServer) -> None:
-        """Try the taken admin address again with a bounded backoff until it is ours."""
-        started = time.monotonic()
-        for attempt in itertools.count():
-            await asyncio.sleep(ADMIN_REBIND_DELAYS[min(attempt, len(ADMIN_REBIND_DELAYS) - 1)])
-            try:
-                admin.start()
-            except AdminListenInUse:
-                continue
-            except ConfigError as exc:
-                # Not taken any more but unusable (the address went away): say so, keep intake.
-                log.error("admin_unavailable", error=str(exc))
-                self._admin_pending = False
-                return
-            self.admin = admin
-            self._admin_pending = False
-            log.info("admin_address_acquired", listen=self.settings.admin.listen,
-                     waited_s=round(time.monotonic() - started, 1))
-            return
-
-    def overlap_grace(self) -> float:
-        """How long two processes on one queue are an upgrade: the new one starting, the old stopping."""
-        return 2 * self.settings.agent.shutdown_budget + 10.0
 
     async def _other_instance(self) -> str | None:
         """Why another agent process is known to run on this queue now, or None."""
@@ -343,48 +323,6 @@ class Agent:
             if lease is not None and lease.holder != mine and lease.expires_at > time.time():
                 return f"the dispatch lease is held by {lease.holder}"
         return None
-
-    async def _watch_overlap(self) -> None:
-        """Warn when two processes run on one queue longer than an upgrade takes, and what to do.
-
-        In an upgrade the old process is stopped (SIGTERM) within seconds of the
-        new one being ready, so both running past ``overlap_grace`` means a
-        second instance was started by mistake (a manual ``run`` beside the
-        service, two containers on one volume) or an upgrade stalled. Both
-        processes say so: the newer one (the admin address or the lease still
-        held by the other), and the older one (its sockets were taken, yet
-        nobody stopped it). Repeated every ``OVERLAP_REPEAT`` while it lasts.
-        """
-        grace = self.overlap_grace()
-        since: float | None = None
-        warned_at = float("-inf")
-        while True:
-            await asyncio.sleep(OVERLAP_CHECK)
-            if self.stop_requested.is_set():
-                return
-            try:
-                why = await self._other_instance()
-            except StorageError:
-                continue  # the maintenance task reports storage trouble
-            now = time.monotonic()
-            if why is None:
-                since = None
-                continue
-            since = now if since is None else since
-            if now - since + OVERLAP_CHECK >= grace and now - warned_at >= OVERLAP_REPEAT:
-                warned_at = now
-                log.warning(
-                    "second_instance_running",
-                    reason=why,
-                    for_s=round(now - since + OVERLAP_CHECK),
-                    data_dir=str(self.settings.agent.data_dir),
-                    pid=os.getpid(),
-                    hint="two processes share this queue: intake is split between them, only one "
-                         "dispatches and only one serves the admin address. In an upgrade, stop "
-                         "the old one now (systemctl stop hl7-agent@<old colour>, docker stop OLD); "
-                         "otherwise stop the one started by mistake. Overlapping versions each "
-                         "need their own admin.listen.",
-                )
 
     async def _start_adoption(self, ctx: IntakeContext) -> None:
         """Take live connections from a predecessor, and give ours to a successor (docs/operations.md)."""
@@ -622,29 +560,6 @@ class Agent:
             with contextlib.suppress(Exception):
                 self.reader.call_blocking(maintenance.checkpoint, "TRUNCATE", wait=0.5)
             self.reader.close()
-
-
-def log_start_failure(exc: Exception) -> None:
-    """One ``agent_start_failed`` error event: the key to fix, the path, the running user, the error.
-
-    A log reader (journald, Docker) gets the reason as one structured line
-    before ``agent_stopped``; the CLI still prints its one-line message.
-    """
-    name, uid = running_user()
-    key = getattr(exc, "key", None)
-    if key is None and isinstance(exc, ConfigError):
-        # "config error: channels[1].name: …" names its key first.
-        found = re.match(r"config error: ([A-Za-z0-9_.\[\]]+):", str(exc))
-        key = found.group(1) if found else None
-    log.error(
-        "agent_start_failed",
-        key=key,
-        path=getattr(exc, "path", None),
-        user=name,
-        uid=uid,
-        error=getattr(exc, "error", None) or str(exc) or type(exc).__name__,
-        message=str(exc) or type(exc).__name__,
-    )
 
 
 async def run_agent(settings: Settings) -> int:

@@ -1,9 +1,9 @@
 """The sdist and the wheel carry the license, the docs, the units and the example configs.
 
 Both are built once per module with ``python -m build`` (an isolated build, as
-pip does), listed, and the wheel is installed with ``pip install --prefix``
-into a temp directory, where every unit's ``Documentation=`` must then name a
-file that exists (the venv prefix of the unit replaced by the temp prefix).
+pip does), listed, and the wheel is installed into a fresh venv, where every
+unit's ``Documentation=`` must then name a file that exists (the unit's venv,
+``/opt/hl7-agent`` or ``/opt/hl7-agent-%i``, replaced by the test's).
 """
 
 from __future__ import annotations
@@ -53,9 +53,12 @@ def dists(tmp_path_factory: pytest.TempPathFactory) -> Dists:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (sdist,) = out.glob("hl7_agent-*.tar.gz")
     (wheel,) = out.glob("hl7_agent-*.whl")
-    prefix = tmp_path_factory.mktemp("prefix")
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                           "--disable-pip-version-check", "--prefix", str(prefix), str(wheel)],
+    # A venv of its own, as docs/deploy.md makes one: pip install --prefix from this
+    # interpreter would first uninstall the hl7-agent the test run itself imports.
+    prefix = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(prefix)], check=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(prefix / "bin" / "python"),
+                           "install", "--quiet", "--no-deps", "--disable-pip-version-check", str(wheel)],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     return Dists(sdist, wheel, prefix)
@@ -117,7 +120,7 @@ class TestWheelDataFiles:
         assert modes["share/hl7-agent/systemd/upgrade.sh"] & stat.S_IXUSR
 
     def test_installed_where_the_units_documentation_points(self, dists: Dists) -> None:
-        """Installed into a prefix, each unit's Documentation= file exists under that prefix."""
+        """Installed into a venv, each unit's Documentation= file exists in that venv."""
         for unit in UNITS:
             text = (dists.prefix / "share" / "hl7-agent" / "systemd" / unit).read_text(encoding="utf-8")
             assert text == (REPO / "systemd" / unit).read_text(encoding="utf-8")
