@@ -14,7 +14,8 @@ a local one an AR/CE "resend later".
     │   │   └── DatabaseLocked      busy beyond busy_timeout
     │   ├── IncompatibleDatabase    schema too new, or another agent.id owns it
     │   ├── LeaseLost               the dispatch lease moved; stop dispatching
-    │   └── HandoverError           listening sockets could not be handed over
+    │   ├── HandoverError           listening sockets could not be handed over
+    │   └── StartupError            the daemon cannot start: names the key to fix
     └── RemoteError                 the peer broke a rule
         ├── HL7Error                a message we cannot accept as sent
         │   ├── EnvelopeError       MSH missing or malformed (ERR-3 101/102)
@@ -63,6 +64,17 @@ class LeaseLost(LocalError):
 
 class HandoverError(LocalError):
     """Listening sockets could not be handed from one process to the next."""
+
+
+class StartupError(LocalError):
+    """The daemon cannot start; ``key`` is the setting to fix (``agent.data_dir``), ``path`` the file."""
+
+    def __init__(self, message: str, *, key: str | None, path: str | None = None,
+                 error: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.path = path
+        self.error = error or message
 
 
 class RemoteError(AgentError):

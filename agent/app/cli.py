@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     send.add_argument("--host", default="127.0.0.1", help="the MLLP listener's host")
     send.add_argument("--port", type=_port, required=True, help="the MLLP listener's TCP port")
     send.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each ACK")
+    send.add_argument("--tls", action="store_true",
+                      help="MLLP over TLS; the server's certificate must name --host")
+    send.add_argument("--ca", metavar="FILE", help="CA bundle (PEM) to verify the server "
+                      "(default: the system's trust store); needs --tls")
+    send.add_argument("--cert", metavar="FILE", help="client certificate (PEM) for a channel "
+                      "that requires one; needs --tls")
+    send.add_argument("--key", metavar="FILE", help="private key of --cert (default: in the --cert file)")
     send.add_argument("files", nargs="+", metavar="FILE",
                       help="files of one or more messages (one message per MSH), or MLLP-framed")
 
@@ -182,10 +189,18 @@ def _settings(args: argparse.Namespace) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from agent.app.preflight import log_start_failure
     from agent.app.service import run_agent
     from agent.runtime.logs import configure_logging, flush_logs
 
-    settings = _settings(args)
+    try:
+        settings = _settings(args)
+    except ConfigError as exc:
+        # No configuration to take the log format from: JSON for a log reader, text on a terminal.
+        configure_logging("info", "console" if sys.stderr.isatty() else "json")
+        log_start_failure(exc)
+        flush_logs()
+        raise
     level = "debug" if args.debug else settings.logging.level
     configure_logging(level, settings.logging.format)
     try:
@@ -204,8 +219,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from agent.app.config import render_effective
+    from agent.app.preflight import data_dir_problem
 
-    text = render_effective(_settings(args))
+    settings = _settings(args)
+    # The daemon could not start with it: a configuration this user cannot run is not valid.
+    problem = data_dir_problem(settings.agent.data_dir)
+    if problem is not None:
+        raise ConfigError(f"config error: {problem.message()}")
+    text = render_effective(settings)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     return EXIT_OK
 
@@ -229,9 +250,15 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_send(args: argparse.Namespace) -> int:
-    from agent.app.client import send_files
+    from agent.app.client import ClientTls, send_files
+    from agent.errors import UsageError
 
-    return send_files(args.host, args.port, args.files, timeout=args.timeout)
+    if not args.tls and (args.ca or args.cert or args.key):
+        raise UsageError("send: --ca, --cert and --key need --tls")
+    if args.key and not args.cert:
+        raise UsageError("send: --key needs --cert")
+    tls = ClientTls(ca=args.ca, cert=args.cert, key=args.key) if args.tls else None
+    return send_files(args.host, args.port, args.files, timeout=args.timeout, tls=tls)
 
 
 def cmd_dev_server(args: argparse.Namespace) -> int:
