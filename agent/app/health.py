@@ -3,7 +3,7 @@
 Docker's HEALTHCHECK and the upgrade script run this every few seconds, so it
 is kept light (stdlib only, no prometheus-client import) and it answers with a
 bool — the CLI turns it into exit 0/1, never 2, because Docker reserves exit 2
-(SPEC 2).
+(docs/operations.md#exit-codes).
 """
 
 from __future__ import annotations

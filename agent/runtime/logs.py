@@ -350,7 +350,7 @@ def stderr_is_journal(environ: Mapping[str, str] | None = None, fd: int = 2) -> 
 
 
 def _redact_bodies(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
-    """Replace message-body keys: HL7 bodies carry patient data (SPEC 4, last bullet)."""
+    """Replace message-body keys: HL7 bodies carry patient data, which never goes to a log."""
     for key in FORBIDDEN_KEYS.intersection(event_dict):
         event_dict[key] = "<redacted>"
     return event_dict

@@ -9,7 +9,7 @@ Two kinds of metric live here:
 - event counters and a latency histogram, moved by the listener and the
   dispatcher as things happen (``message_committed`` ...);
 - queue gauges, read at scrape time from the ``queue stats --json`` shape
-  (SPEC 2) through a bound callable, so the numbers are the database's, shared
+  (docs/operations.md#--json) through a bound callable, so the numbers are the database's, shared
   by every process on the file, not one process's guess.
 
 The same two events also feed ``history`` (agent.runtime.history): messages in
@@ -41,7 +41,7 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 
 #: Dispatch latency buckets, 5 ms .. 60 s: a LAN server answers in milliseconds,
 #: an application-ACK round trip through an EHR can take tens of seconds, and
-#: response_timeout defaults to 30 s (SPEC 3).
+#: response_timeout defaults to 30 s (docs/configuration.md#server).
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.005,
     0.01,
@@ -58,7 +58,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     60.0,
 )
 
-#: Row states that stand in a channel's backlog (SPEC 6), exposed per channel.
+#: Row states that stand in a channel's backlog (docs/queue.md#row-states), exposed per channel.
 DEPTH_STATES: tuple[str, ...] = ("queued", "claimed", "inflight")
 
 
@@ -338,7 +338,7 @@ class AgentMetrics:
     # -- scrape-time queue gauges ----------------------------------------
 
     def bind_stats(self, stats: Callable[[], dict[str, Any]]) -> None:
-        """Read queue gauges from ``stats()`` (SPEC 2 shape) at every scrape.
+        """Read queue gauges from ``stats()`` (the ``queue stats --json`` shape) at every scrape.
 
         ``stats`` runs on the scraping thread (the admin server's), never on
         the event loop; it opens its own read-only connection.

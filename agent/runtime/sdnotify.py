@@ -4,7 +4,7 @@ The protocol (sd_notify(3)) is one datagram of newline-separated ``KEY=VALUE``
 lines sent to the AF_UNIX socket named by ``$NOTIFY_SOCKET``; a leading ``@``
 names a socket in the abstract namespace. With ``Type=notify`` systemd treats
 the unit as started only on ``READY=1``, so the daemon sends it once its
-listeners and database are up (SPEC 7: the upgrade script waits for it).
+listeners and database are up (the upgrade script waits for it: docs/deploy.md#systemd).
 ``WatchdogSec=`` expects ``WATCHDOG=1`` more often than ``$WATCHDOG_USEC``;
 pinging from an event-loop task proves the loop itself is alive.
 

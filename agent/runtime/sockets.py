@@ -1,4 +1,4 @@
-"""Listening sockets that outlive a process (SPEC 7).
+"""Listening sockets that outlive a process (docs/deploy.md#how-the-listening-sockets-outlive-a-process).
 
 Three ways to get a channel's listener, in the daemon's order of preference:
 
@@ -314,7 +314,7 @@ def bind_listener(
     """A non-blocking TCP listener on host:port (IPv4 or IPv6 by the host string).
 
     SO_REUSEADDR lets a restart bind over TIME_WAIT remnants; SO_REUSEPORT is
-    the overlap fallback of SPEC 7 (see this module's docstring for its trap).
+    the upgrade overlap's fallback (see this module's docstring for its trap).
     """
     infos = socket.getaddrinfo(
         _split_host(host),
