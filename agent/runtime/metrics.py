@@ -28,6 +28,7 @@ from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agent import __version__
+from agent.core.states import DEPTH
 from agent.runtime import logs
 from agent.runtime.history import MinuteHistory
 
@@ -57,10 +58,6 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     30.0,
     60.0,
 )
-
-#: Row states that stand in a channel's backlog (docs/queue.md#row-states), exposed per channel.
-DEPTH_STATES: tuple[str, ...] = ("queued", "claimed", "inflight")
-
 
 class _QueueStatsCollector:
     """Turns one ``stats()`` call into gauges at scrape time.
@@ -163,7 +160,7 @@ def _families(data: Mapping[str, Any] | None = None) -> Iterator[GaugeMetricFami
         for state, count in sorted((data.get("states") or {}).items()):
             messages.add_metric([str(state)], _num(count))
         for channel, row in sorted((data.get("channels") or {}).items()):
-            for state in DEPTH_STATES:
+            for state in DEPTH:  # the backlog states (docs/queue.md#row-states)
                 depth.add_metric([str(channel), state], _num(row.get(state)))
             oldest.add_metric([str(channel)], _num(row.get("oldest_queued_age_s")))
             paused.add_metric([str(channel)], _num(bool(row.get("paused"))))
