@@ -520,8 +520,12 @@ class SocketHarness:
 
     def _run(self, coro: Any) -> Any:
         """Run one example; if it fails, start the next one on a new connection (so shrinking works)."""
+        async def bounded() -> Any:
+            async with asyncio.timeout(15):
+                return await coro
+
         try:
-            return self.loop.run_until_complete(asyncio.wait_for(coro, 15))
+            return self.loop.run_until_complete(bounded())
         except BaseException:
             async def reconnect() -> None:
                 self.client_writer.close()
