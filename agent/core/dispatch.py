@@ -146,9 +146,6 @@ class SessionFacts:
     replay: bool = False
 
 
-NO_SESSION = SessionFacts(up=False)
-
-
 @dataclass(frozen=True, slots=True)
 class Note:
     """A log line to write (never a message body): ``level`` is a structlog method name."""
@@ -160,9 +157,6 @@ class Note:
     @classmethod
     def of(cls, level: Literal["info", "warning", "error"], event: str, **fields: object) -> Note:
         return cls(level, event, tuple(fields.items()))
-
-    def as_dict(self) -> dict[str, object]:
-        return dict(self.fields)
 
     def write(self, logger: Any) -> None:  # noqa: ANN401 - a structlog bound logger
         """Log it with ``logger``'s bound fields (``logger.info(event, **fields)`` …)."""

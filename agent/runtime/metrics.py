@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.exposition import choose_encoder, generate_latest
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agent import __version__
@@ -343,10 +343,6 @@ class AgentMetrics:
         self._stats.bind(stats)
 
     # -- exposition -------------------------------------------------------
-
-    def exposition(self) -> bytes:
-        """The registry in the Prometheus text format."""
-        return generate_latest(self.registry)
 
     def exposition_for(self, accept: str | None) -> tuple[bytes, str]:
         """Body and Content-Type negotiated from a scraper's Accept header.
