@@ -21,12 +21,11 @@ from pathlib import Path
 import pytest
 
 from agent.errors import HandoverError
+from agent.runtime.handover import HandoverServer, receive_handover
 from agent.runtime.sockets import (
-    HandoverServer,
     bind_listener,
     inherited_sockets,
     is_listening,
-    receive_handover,
     tcp_migrate_req_enabled,
 )
 
@@ -210,7 +209,7 @@ class TestHandover:
             import asyncio, json, os, sys
             from pathlib import Path
             import structlog
-            from agent.runtime.sockets import receive_handover
+            from agent.runtime.handover import receive_handover
 
             structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
