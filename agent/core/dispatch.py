@@ -23,6 +23,10 @@ Written for up to ``max_in_flight`` rows in flight per channel (one today:
 channels are strict FIFO; partitioned channels raise it): nothing here assumes
 the head is the only row in flight, and :func:`decide_head` is asked once per
 head with the count of the channel's other rows in flight.
+
+Over 400 lines on purpose: the head, answer and loss decisions must agree on
+every row's fate (attempts, backoff, the replay rule, giving up), so they sit
+side by side with the actions they return; each is a small function.
 """
 
 from __future__ import annotations

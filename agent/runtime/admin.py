@@ -22,6 +22,10 @@ Routes (GET and HEAD; any other method is 405):
 
 It binds loopback by default (`[admin] listen = "127.0.0.1:9575"`, docs/configuration.md#admin):
 the page names channels and control ids, which is operator information.
+
+Just over 400 lines on purpose: the threaded server, its routes and the
+checks behind /healthz and /readyz are one endpoint; what the pages show is
+built elsewhere (metrics, statuspage, statusview).
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ severities), which journald strips and stores as the entry's PRIORITY, so
 
 Never log message bodies or patient data; as a last line of defence, values of
 the keys ``body``, ``raw`` and ``payload`` are replaced before rendering.
+
+Over 400 lines on purpose: the sink, the journald prefix and the structlog
+configuration are one pipeline, and a line's whole way from a call to stderr
+(redacted, rendered, queued, written whole or dropped and counted) reads here.
 """
 
 from __future__ import annotations
