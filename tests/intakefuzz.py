@@ -520,8 +520,12 @@ class SocketHarness:
 
     def _run(self, coro: Any) -> Any:
         """Run one example; if it fails, start the next one on a new connection (so shrinking works)."""
+        async def bounded() -> Any:
+            async with asyncio.timeout(15):
+                return await coro
+
         try:
-            return self.loop.run_until_complete(asyncio.wait_for(coro, 15))
+            return self.loop.run_until_complete(bounded())
         except BaseException:
             async def reconnect() -> None:
                 self.client_writer.close()
@@ -561,7 +565,7 @@ class SocketHarness:
         if not self.conn.core.audit_quota_left():
             self.client_writer.close()
             await self._connect()
-        await self.writer.run(lambda _s: None)  # earlier audit rows committed before these are counted
+        await self.writer.call(lambda _s: None)  # earlier audit rows committed before these are counted
         before = self.rows.nacked()
         cid = f"SENTINEL-{next(_sentinels)}"
         with capture_logs() as logs:
@@ -569,7 +573,7 @@ class SocketHarness:
             await self.client_writer.drain()
             marker = f"\rMSA|AA|{cid}|".encode()
             frames, junk = await self._read_until(lambda frame: marker in frame)
-        await self.writer.run(lambda _s: None)
+        await self.writer.call(lambda _s: None)
         return Handled(
             acks=frames[:-1], wire_frames=frames[:-1], wire_junk=junk,
             failed=[str(e.get("error_type")) for e in logs if e["event"] == "frame_handling_failed"],

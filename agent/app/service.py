@@ -37,6 +37,7 @@ from agent.errors import AdminListenInUse, ConfigError, StartupError, StorageErr
 from agent.runtime import adoption, audit, sockets
 from agent.runtime.admin import AdminServer, LoopHeartbeat, RuntimeView
 from agent.runtime.aio import cancel_and_wait, unless
+from agent.runtime.handover import HandoverServer, receive_handover
 from agent.runtime.metrics import AgentMetrics
 from agent.runtime.mllp_server import ChannelListener, IntakeContext
 from agent.runtime.relay import AckRelay
@@ -73,7 +74,7 @@ class Agent:
         self.writer: Writer | None = None
         self.reader: Reader | None = None
         self.relay: AckRelay | None = None
-        self.handover: sockets.HandoverServer | None = None
+        self.handover: HandoverServer | None = None
         self.adoption: adoption.AdoptionServer | None = None
         self.admin: AdminServer | None = None
         # The loop refreshes it; /healthz (another thread) fails when it goes stale.
@@ -141,7 +142,7 @@ class Agent:
         to_store: dict[str, socket.socket] = {}
         missing = channels.keys() - found.keys()
         if missing:
-            handed = await sockets.receive_handover(self.settings.agent.data_dir / HANDOVER_SOCKET)
+            handed = await receive_handover(self.settings.agent.data_dir / HANDOVER_SOCKET)
             for name, sock in (handed or {}).items():
                 if name in missing:
                     found[name] = to_store[name] = sock
@@ -250,7 +251,7 @@ class Agent:
             self.listeners.append(listener)
             host, port = socks[channel.name].getsockname()[:2]
             log.info("listener_started", channel=channel.name, host=host, port=port, ack=channel.ack)
-        self.handover = sockets.HandoverServer(
+        self.handover = HandoverServer(
             s.agent.data_dir / HANDOVER_SOCKET, lambda: {lst.channel.name: lst.sock for lst in self.listeners}
         )
         try:

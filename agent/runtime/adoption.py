@@ -48,7 +48,7 @@ from agent.core.envelope import Envelope
 from agent.core.intake_types import NOTHING_OWED, Owed, OwedFrame, OwedRelay, OwedReply, OwedWait
 from agent.errors import HandoverError
 from agent.runtime.aio import cancel_and_wait
-from agent.runtime.sockets import (
+from agent.runtime.unixsock import (
     accept_forever,
     bind_unix_atomically,
     path_identity,

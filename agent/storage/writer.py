@@ -113,10 +113,6 @@ class Writer:
         """
         return await asyncio.wrap_future(self.submit(method, *args, **kwargs))
 
-    async def run(self, fn: Callable[[SqliteStore], T]) -> T:
-        """Run ``fn(store)`` in the next committed batch; prefer :meth:`call` (it names the method)."""
-        return await asyncio.wrap_future(self.submit(fn))
-
     def close(self, timeout: float = 10.0) -> None:
         """Finish every queued job, then stop the thread and close the connection."""
         if self._closed:
@@ -251,11 +247,6 @@ class Reader:
         """Run one store read on the reader thread: ``await reader.call(SqliteStore.channel_head, name)``."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._blocking, _bind(method, *args, **kwargs))
-
-    async def run(self, fn: Callable[[SqliteStore], T]) -> T:
-        """Run ``fn(store)`` on the reader thread; prefer :meth:`call` (it names the method)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._blocking, fn)
 
     def _blocking(self, fn: Callable[[SqliteStore], T]) -> T:
         return self.call_blocking(fn)

@@ -52,7 +52,7 @@ from agent.errors import ConfigError
 
 
 def _absolute(path: Path | None, info: ValidationInfo) -> Path | None:
-    """Relative paths are relative to the config file's folder (SPEC 3)."""
+    """Relative paths are relative to the config file's folder (docs/configuration.md#value-formats)."""
     if path is None or path.is_absolute():
         return path
     base = (info.context or {}).get("base_dir")
@@ -66,7 +66,7 @@ def _default_agent_id() -> str:
 
 
 class _Section(BaseModel):
-    """Every section refuses unknown keys (SPEC 3: a typo must not be ignored)."""
+    """Every section refuses unknown keys (a typo must not be ignored silently)."""
 
     model_config = ConfigDict(extra="forbid", validate_default=False)
 
@@ -80,7 +80,7 @@ class AgentSettings(_Section):
     # Stable identity sent to the server and recorded in the queue database.
     id: str = Field(default_factory=_default_agent_id)
     data_dir: Path = Path("/var/lib/hl7-agent")
-    # SO_REUSEPORT is the fallback listener-sharing mode (SPEC 7).
+    # SO_REUSEPORT is the fallback listener-sharing mode (docs/deploy.md#how-the-listening-sockets-outlive-a-process).
     reuse_port: bool = False
     # Graceful stop budget; keep it below systemd's TimeoutStopSec.
     shutdown_budget: PositiveDuration = 20.0
@@ -209,7 +209,7 @@ class QueueSettings(_Section):
 
     @model_validator(mode="after")
     def _retention_covers_dedupe(self) -> QueueSettings:
-        # SPEC 6: purging a row must never forget a dedupe key before its window.
+        # docs/queue.md#dedupe: purging a row must never forget a dedupe key before its window.
         if self.retention < self.dedupe_window:
             raise ValueError(
                 f"retention ({_human(self.retention)}) must be >= dedupe_window "
@@ -264,7 +264,7 @@ class ChannelSettings(_Section):
     # A started frame must complete within this (slowloris). 60 s carries a
     # 1 MiB message over a ~150 kbit/s link; never 0: the guard cannot be off.
     frame_timeout: PositiveDuration = 60.0
-    # What the channel accepts (SPEC 4: AR/CR with ERR-3 200-203 otherwise);
+    # What the channel accepts (docs/acks.md#error-codes: AR/CR with ERR-3 200-203 otherwise);
     # empty = anything. "ADT" allows every ADT event, "ADT^A01" only that one.
     accept_message_types: list[str] = Field(default_factory=list)
     accept_processing_ids: list[str] = Field(default_factory=list)
@@ -358,7 +358,7 @@ class Settings(BaseSettings):
 
     ``Settings(...)`` validates only the values it is given (no environment,
     no file): deterministic for tests; :func:`load_settings` adds the file and
-    the environment with SPEC 3's strictness.
+    the environment, refusing unknown keys.
     """
 
     # Keys are matched exactly: the file's [SERVER] is an unknown section, not
@@ -434,7 +434,7 @@ class Settings(BaseSettings):
 
 
 def security_features_unavailable(settings: Settings) -> list[str]:
-    """Security keys set before their feature exists (SPEC 3); the lead decides which."""
+    """Security keys set before their feature exists; the lead decides which."""
     return []
 
 
