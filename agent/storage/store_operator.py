@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from agent.core.states import ALL, DEPTH, Event
@@ -31,13 +30,6 @@ from agent.storage.rows import (
     StoredRow,
 )
 from agent.storage.store_dispatch import DispatchQueries
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 class OperatorQueries(DispatchQueries):
@@ -81,11 +73,7 @@ class OperatorQueries(DispatchQueries):
             "states": by_state,
             "channels": dict(sorted(channels.items())),
             "lease": lease_obj,
-            "db": {
-                "path": str(self.db_path),
-                "size_bytes": _file_size(self.db_path),
-                "wal_bytes": _file_size(maintenance.wal_path(self.db_path)),
-            },
+            "db": self.dialect.db_stats(self.conn, self.db_path),
         }
 
     def recent_failures(self, limit: int) -> list[RecentFailure]:
