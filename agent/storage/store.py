@@ -206,6 +206,8 @@ def open_stores(db_path: Path, queue: QueueConfig, agent_id: str, now: float) ->
     if queue.backend == POSTGRESQL:
         from agent.storage import postgres
 
+        # No queue file, but the state directory still holds the hand-over sockets.
+        db_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         options = pg_options(queue, agent_id)
         writer_dialect = postgres.PostgresDialect(options, role="writer")
         conn = postgres.open_database(writer_dialect, agent_id, now)

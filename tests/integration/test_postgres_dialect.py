@@ -187,9 +187,8 @@ class TestFaults:
                 admin.execute("ALTER SYSTEM SET default_transaction_read_only = on")
                 admin.execute("SELECT pg_reload_conf()")
             wait_for(lambda: _read_only_now(store), 10, what="the reload to reach the session")
-            with pytest.raises(StorageError, match="takes no writes"):
-                with store.transaction() as s:
-                    s.intake(item("R1"))
+            with pytest.raises(StorageError, match="takes no writes"), store.transaction() as s:
+                s.intake(item("R1"))
             # The connection is dropped; the writer's reconnection refuses a read-only database.
             with pytest.raises(StorageError, match="takes no writes"):
                 store.connection()
@@ -214,9 +213,8 @@ class TestFaults:
             failures = []
             for _ in range(5):
                 started = time.monotonic()
-                with pytest.raises(StorageError) as caught:
-                    with store.transaction() as s:
-                        s.intake(item("D1"))
+                with pytest.raises(StorageError) as caught, store.transaction() as s:
+                    s.intake(item("D1"))
                 failures.append(time.monotonic() - started)
                 assert "\n" not in str(caught.value)
             assert max(failures) < 6  # connect_timeout bounds an attempt; refused is at once
