@@ -412,6 +412,22 @@ class TestLease:
         assert not holder_provably_dead(me.pid, me.boot_id, me.pidns, me.start_ticks)
         assert holder_provably_dead(dead_pid(), me.boot_id, me.pidns, 1)
 
+    def test_a_read_tells_a_standby_when_the_lease_is_takeable(self, harness: Harness) -> None:
+        """lease_takeable (a read, no transaction) answers as try_acquire_lease would: free, expired,
+        its own, or a provably dead holder's — not a live holder's before expiry."""
+        me, other = holder("standby"), holder("h1")
+        assert harness.store.lease_takeable(me)
+        epoch = acquire(harness, other)
+        assert not harness.store.lease_takeable(me)
+        assert harness.store.lease_takeable(other)
+        harness.clock.advance(TTL + 1)
+        assert harness.store.lease_takeable(me)
+        harness.tx(lambda s: s.renew_lease("h1", epoch, TTL))
+        assert not harness.store.lease_takeable(me)
+        harness.clock.advance(TTL + 1)
+        acquire(harness, holder("crashed", pid=dead_pid(), start_ticks=1))
+        assert harness.store.lease_takeable(me)
+
     def test_two_contenders_cannot_both_win_one_epoch(self, harness: Harness) -> None:
         """The takeover is a compare-and-set on the epoch: a stale contender fails."""
         epoch = acquire(harness, holder("h1"))
