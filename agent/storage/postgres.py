@@ -94,9 +94,10 @@ CONNECTION_DEFAULTS = {
 }
 #: synchronous_commit values at least as strong as "on" (the others are weaker).
 _DURABLE = frozenset({"on", "remote_apply"})
-#: Reconnection after a lost connection: at once, then spaced out up to the cap.
+#: Reconnection after a lost connection: at once, then spaced out up to the cap (so writes
+#: resume within about 2 s of the server's return; each attempt is bounded by connect_timeout).
 RECONNECT_INITIAL = 0.25
-RECONNECT_CAP = 5.0
+RECONNECT_CAP = 2.0
 
 _SQLSTATE_FAILURES = {
     "25006": Failure.READ_ONLY,  # read_only_sql_transaction: a standby, default_transaction_read_only
