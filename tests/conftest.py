@@ -15,6 +15,7 @@ import contextlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from pgserver import PostgresServer, unavailable_reason
@@ -62,6 +63,14 @@ class PgDatabase:
     @property
     def dsn_without_password(self) -> str:
         return self._with(self.server.dsn(self.name))
+
+    def queue_toml(self, directory: Path) -> str:
+        """The ``[queue]`` table of an agent on this database: the dsn without its password,
+        the password in a ``password_file`` written to ``directory``."""
+        secret = directory / "db-password"
+        secret.write_text(self.server.password + "\n", encoding="utf-8")
+        return (f'\n[queue]\nbackend = "postgresql"\ndsn = "{self.dsn_without_password}"\n'
+                f'password_file = "{secret}"\n')
 
     def rows(self, sql: str, params: tuple[object, ...] | dict[str, object] = ()) -> list[tuple[object, ...]]:
         """Read (or change) the database directly, as an operator with psql would."""

@@ -101,10 +101,7 @@ class Host:
 
 def config_for(tmp_path: Path, name: str, db: PgDatabase, server_url: str, port: int, admin_port: int,
                lab_port: int) -> str:
-    secret = tmp_path / "db-password"
-    secret.write_text(db.server.password + "\n")
-    queue = (f'\n[queue]\nbackend = "postgresql"\ndsn = "{db.dsn_without_password}"\n'
-             f'password_file = "{secret}"\n')
+    queue = db.queue_toml(tmp_path)
     return toml_config(tmp_path / name, [{"name": "adt", "listen": f"127.0.0.1:{port}"},
                                          {"name": "lab", "listen": f"127.0.0.1:{lab_port}"}],
                        agent_id=AGENT_ID, server_url=server_url, admin_port=admin_port, extra=queue)
