@@ -298,9 +298,18 @@ def _open_pg_operator_store(db_path: Path, queue: QueueConfig, agent_id: str, *,
     dialect = postgres.PostgresDialect(pg_options(queue, agent_id), role="operator")
     store = make_store(postgres.open_existing(dialect), db_path, queue, dialect=dialect)
     try:
+        version = int(store.meta().get("schema_version", "0"))
         if write:
             postgres.check_owner(store.conn, dialect, agent_id)
+            if version < postgres.SCHEMA_VERSION:
+                postgres.migrate(dialect, store.conn, agent_id, time.time())
         else:
+            if version < postgres.SCHEMA_VERSION:
+                raise StorageError(
+                    f"the queue database {dialect.display_dsn} has schema {version}, this hl7-agent "
+                    f"reads schema {postgres.SCHEMA_VERSION}: start this version's daemon once (it "
+                    "upgrades the database in place; an older daemon keeps working on it), then try again"
+                )
             dialect.read_only(store.conn)
         yield store
     except dialect.Error as exc:

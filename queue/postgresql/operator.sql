@@ -15,7 +15,8 @@ GROUP BY channel, state
 
 -- name: op_list
 SELECT id, channel, seq, state, control_id, message_type, attempts, received_at, error_code,
-       remote, updated_at, encoding, CASE WHEN %(show_body)s::int = 1 THEN body END AS body
+       remote, updated_at, encoding, CASE WHEN %(show_body)s::int = 1 THEN body END AS body, error_text,
+       server_reason
 FROM messages
 WHERE (%(state)s::text IS NULL OR state = %(state)s::text)
   AND (%(channel)s::text IS NULL OR channel = %(channel)s::text)
@@ -25,7 +26,10 @@ ORDER BY received_at DESC, seq DESC NULLS LAST
 LIMIT NULLIF(%(limit)s::bigint, -1)
 
 -- name: op_ids_by_prefix
-SELECT id FROM messages WHERE starts_with(id, %(prefix)s) ORDER BY id LIMIT 2
+-- Every id starting with the prefix (ids are lower-case UUIDs). A scan, not an index probe
+-- (the primary key's index follows the database's collation, not byte order): an operator
+-- command runs it once per id typed, never the daemon.
+SELECT id FROM messages WHERE starts_with(id, %(prefix)s) ORDER BY id LIMIT %(limit)s
 
 -- name: op_row_place
 SELECT state, channel, seq FROM messages WHERE id = %(id)s
@@ -49,12 +53,37 @@ WHERE rowid IN (
   AND state IN ('failed', 'rejected')
 RETURNING channel
 
+-- name: op_set_aside
+-- Operator set-aside (docs/queue.md#operator-actions): queued -> failed with the operator's
+-- reason, in one guarded statement: only a row that is queued at this instant moves, so a
+-- claim by the dispatcher and a set-aside never both win (on any host: both take the
+-- agent's write lock). The application ACK a waiting sender is owed (built by the command)
+-- is kept like a settle's; server_status and server_reason stay as the history of the last answer.
+UPDATE messages SET state = 'failed', error_code = %(error_code)s, error_text = %(error_text)s,
+                    app_ack = COALESCE(%(app_ack)s::bytea, app_ack), settled_at = %(now)s,
+                    updated_at = %(now)s
+WHERE id = %(id)s AND state = 'queued'
+
+-- name: op_action_insert
+-- An operator action, written in the same transaction as the change it records.
+INSERT INTO operator_actions (action, os_user, pid, channel, reason, rows, detail, status,
+                              started_at, updated_at)
+VALUES (%(action)s, %(os_user)s, %(pid)s, %(channel)s, %(reason)s, %(rows)s, %(detail)s, %(status)s,
+        %(now)s, %(now)s)
+RETURNING id
+
+-- name: op_action_update
+-- The next batch of a running action, in that batch's transaction.
+UPDATE operator_actions SET rows = %(rows)s, detail = %(detail)s, status = %(status)s,
+                            channel = %(channel)s, updated_at = %(now)s
+WHERE id = %(id)s
+
 -- name: op_max_rowid
 SELECT coalesce(max(rowid), 0) FROM messages
 
 -- name: op_select_state
 SELECT id, channel, seq, state, control_id, message_type, attempts, received_at, error_code,
-       remote, updated_at, encoding, NULL::bytea AS body
+       remote, updated_at, encoding, NULL::bytea AS body, error_text, server_reason
 FROM messages
 WHERE state = %(state)s AND (%(channel)s::text IS NULL OR channel = %(channel)s::text)
 ORDER BY channel COLLATE "C", seq IS NULL, seq, received_at

@@ -123,19 +123,23 @@ RETURNING attempts
 UPDATE messages SET state = %(state)s, server_status = %(server_status)s,
                     server_ack = %(server_ack)s, app_ack = COALESCE(%(app_ack)s::bytea, app_ack),
                     error_code = %(error_code)s, error_text = %(error_text)s,
-                    settled_at = %(now)s, updated_at = %(now)s
+                    server_reason = %(server_reason)s, settled_at = %(now)s, updated_at = %(now)s
 WHERE id = %(id)s AND state = 'inflight' AND attempts = %(attempt)s
   AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s)
 
 -- name: requeue
 UPDATE messages SET state = 'queued', next_attempt_at = %(next_attempt_at)s,
                     server_status = %(server_status)s, error_code = %(error_code)s,
-                    error_text = %(error_text)s, updated_at = %(now)s
+                    error_text = %(error_text)s, server_reason = %(server_reason)s,
+                    updated_at = %(now)s
 WHERE id = %(id)s AND state IN ('inflight', 'claimed') AND attempts = %(attempt)s
   AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s)
 
 -- name: fail_live
+-- server_reason: the last answer's reason when a server answer ended it (max_attempts),
+-- kept as it was otherwise (ambiguous, too big: no answer to read).
 UPDATE messages SET state = %(state)s, error_code = %(error_code)s, error_text = %(error_text)s,
+                    server_reason = COALESCE(%(server_reason)s::text, server_reason),
                     app_ack = COALESCE(%(app_ack)s::bytea, app_ack), settled_at = %(now)s,
                     updated_at = %(now)s
 WHERE id = %(id)s AND state IN ('queued', 'claimed', 'inflight') AND attempts = %(attempt)s
@@ -184,11 +188,13 @@ DELETE FROM messages WHERE id IN (
 SELECT id, channel, seq, state, remote, sending_app, sending_facility, control_id, message_type,
        encoding, body, body_sha256, ack_mode, accept_ack_type, application_ack_type, ack_sent,
        app_ack, ack_outcome, attempts, redrive_base, next_attempt_at, claim_epoch, server_status,
-       server_ack, error_code, error_text, received_at, claimed_at, sent_at, settled_at, updated_at
+       server_ack, error_code, error_text, received_at, claimed_at, sent_at, settled_at, updated_at,
+       server_reason
 FROM messages WHERE id = %(id)s
 
 -- name: recent_failures
-SELECT id, channel, control_id, message_type, state, error_code, error_text, attempts, updated_at
+SELECT id, channel, control_id, message_type, state, error_code, error_text, attempts, updated_at,
+       server_status, server_reason
 FROM messages WHERE state IN ('failed', 'rejected')
 ORDER BY updated_at DESC LIMIT %(limit)s
 
@@ -217,3 +223,20 @@ INSERT INTO meta (key, value) VALUES (%(key)s, %(value)s)
 
 -- name: meta_insert_if_absent
 INSERT INTO meta (key, value) VALUES (%(key)s, %(value)s) ON CONFLICT (key) DO NOTHING
+
+-- name: operator_actions_due
+-- Is there an operator action a daemon has not logged yet (finished, or silent for long)?
+SELECT 1 FROM operator_actions
+WHERE logged_at IS NULL AND (status <> 'running' OR updated_at < %(stale_before)s)
+LIMIT 1
+
+-- name: operator_actions_take
+-- Marks them logged and returns them: the agent's write lock makes each entry one process's
+-- to log, whichever host it runs on.
+UPDATE operator_actions SET logged_at = %(now)s
+WHERE logged_at IS NULL AND (status <> 'running' OR updated_at < %(stale_before)s)
+RETURNING id, action, os_user, pid, channel, reason, rows, detail, status, started_at, updated_at
+
+-- name: operator_actions_forget
+-- Entries logged longer ago than the queue's retention.
+DELETE FROM operator_actions WHERE logged_at IS NOT NULL AND logged_at < %(cutoff)s

@@ -9,6 +9,7 @@ faked.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -259,7 +260,8 @@ class TestMigrations:
             conn.close()
         assert errors == []
         meta = dict(pg_database.rows("SELECT key, value FROM meta"))
-        assert meta["schema_version"] == "1" and meta["agent_id"] == AGENT and meta["queue_id"]
+        assert meta["schema_version"] == str(postgres.SCHEMA_VERSION)
+        assert meta["agent_id"] == AGENT and meta["queue_id"]
 
     def test_another_agent_id_is_refused(self, store: Store, pg_database: PgDatabase) -> None:
         """Two agents never share a queue: another agent.id cannot open (or operate on) it."""
@@ -280,6 +282,67 @@ class TestMigrations:
             postgres.open_database(dialect(pg_database), AGENT, time.time())
         with pytest.raises(IncompatibleDatabase, match="needs a newer hl7-agent"):
             postgres.open_existing(dialect(pg_database, role="operator"))
+
+    def test_a_schema_1_database_migrates_in_place(self, pg_database: PgDatabase,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+        """A database of the previous version gains schema 2's column and table; its rows and
+        min_compatible_version stay, so that version (the other host, not upgraded yet) still opens it."""
+        first = postgres.load_migrations(POSTGRESQL)[:1]
+        monkeypatch.setattr(postgres, "load_migrations", lambda _dialect: first)
+        monkeypatch.setattr(postgres, "SCHEMA_VERSION", 1)
+        postgres.open_database(dialect(pg_database), AGENT, time.time()).close()
+        pg_database.rows("INSERT INTO messages (id, channel, seq, state, remote, body, body_sha256, "
+                         "received_at, updated_at) VALUES ('old-row', 'adt', 1, 'failed', 'x', '\\x00', '', 1, 1)")
+        assert pg_database.rows("SELECT to_regclass('operator_actions')") == [(None,)]
+        monkeypatch.undo()
+        d = dialect(pg_database)
+        s = store_on(d, postgres.open_database(d, AGENT, time.time()))
+        try:
+            meta = s.meta()
+            assert (meta["schema_version"], meta["min_compatible_version"]) == ("2", "1")
+            row = s.row("old-row")
+            assert row is not None and row.server_reason is None and row.state == "failed"
+            assert pg_database.rows("SELECT count(*) FROM operator_actions") == [(0,)]
+        finally:
+            s.close()
+        with monkeypatch.context() as m:  # the previous version still opens the migrated database
+            m.setattr(postgres, "SCHEMA_VERSION", 1)
+            postgres.open_existing(dialect(pg_database, role="operator")).close()
+
+    def test_operator_commands_on_a_schema_1_database(self, pg_database: PgDatabase, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+        """Its daemon not upgraded yet: a read command says what to do, a write command migrates first."""
+        from types import SimpleNamespace
+
+        from agent.storage.store import open_operator_store
+
+        first = postgres.load_migrations(POSTGRESQL)[:1]
+        with monkeypatch.context() as m:
+            m.setattr(postgres, "load_migrations", lambda _dialect: first)
+            m.setattr(postgres, "SCHEMA_VERSION", 1)
+            postgres.open_database(dialect(pg_database), AGENT, time.time()).close()
+        queue = SimpleNamespace(backend="postgresql", dsn=pg_database.dsn, password_file=None,
+                                synchronous="full", busy_timeout=5.0, dedupe_window=86400.0,
+                                retention=86400.0, max_db_bytes=0, min_free_disk_bytes=0)
+        with pytest.raises(StorageError, match="has schema 1, this hl7-agent reads schema 2: start this"), \
+                open_operator_store(tmp_path / "q.db", queue, AGENT, write=False):
+            pass
+        assert pg_database.rows("SELECT value FROM meta WHERE key = 'schema_version'") == [("1",)]
+        with open_operator_store(tmp_path / "q.db", queue, AGENT, write=True) as s:
+            assert s.meta()["schema_version"] == "2"
+        with open_operator_store(tmp_path / "q.db", queue, AGENT, write=False) as s:
+            assert s.live_depth() == 0
+
+    def test_later_migrations_are_additive(self) -> None:
+        """Every migration after the first only adds (new tables, indexes, nullable columns), so the
+        previous version keeps working on a migrated database while both run."""
+        allowed = re.compile(r"\s*(CREATE TABLE|CREATE INDEX|CREATE UNIQUE INDEX|ALTER TABLE \w+ ADD COLUMN)\b")
+        for number, sql in postgres.load_migrations(POSTGRESQL)[1:]:
+            body = "\n".join(ln for ln in sql.splitlines() if not ln.strip().startswith("--"))
+            for statement in filter(str.strip, body.split(";")):
+                assert allowed.match(statement), (number, statement)
+                if "ADD COLUMN" in statement:
+                    assert "NOT NULL" not in statement or "DEFAULT" in statement, (number, statement)
 
     def test_commands_never_create_the_schema(self, pg_database: PgDatabase) -> None:
         """open_existing on a database without the agent's tables says so and creates nothing."""
