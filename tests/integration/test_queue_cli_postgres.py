@@ -20,6 +20,8 @@ from pgserver import PgDatabase
 from test_queue_cli import check_schema, load_schema
 
 from agent.app.cli import main
+from agent.app.commands import moves
+from agent.app.commands.common import operator
 from agent.core import mllp
 from agent.storage import postgres
 from agent.storage.postgres import PgOptions, PostgresDialect
@@ -246,3 +248,52 @@ class TestWrites:
         assert queue.state(queue.ids["adt2"]) == "failed"
 
 
+
+    def test_fail_sets_a_queued_row_aside_and_never_a_live_one(self, queue: PgQueue,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+        """queue fail: queued → failed with who and why; the inflight row is refused and left alone."""
+        target = queue.ids["adt4"]
+        code, out, err = run(queue, capsys, "queue", "fail", target, "--reason", "wrong patient")
+        assert code == 0, err
+        assert f"{target}: set aside as failed (was queued, channel adt, seq 4)" in out
+        ((state, error_code, error_text),) = queue.db.rows(
+            "SELECT state, error_code, error_text FROM messages WHERE id = %s", (target,))
+        assert (state, error_code) == ("failed", moves.SET_ASIDE_CODE)
+        assert error_text == f"set aside by {operator()}: wrong patient"
+        code, _, err = run(queue, capsys, "queue", "fail", queue.ids["lab1"])
+        assert code == 1 and "it is inflight" in err and queue.state(queue.ids["lab1"]) == "inflight"
+
+    def test_ids_by_prefix_in_any_case(self, queue: PgQueue, capsys: pytest.CaptureFixture[str]) -> None:
+        """8 characters of an id, upper case too, name the row (show, retry)."""
+        target = queue.ids["adt2"]
+        code, out, err = run(queue, capsys, "queue", "show", target[:8].upper())
+        assert code == 0 and target in out, err
+        assert run(queue, capsys, "queue", "retry", target[:8])[0] == 0
+        assert queue.state(target) == "queued"
+
+    def test_each_change_writes_one_operator_action(self, queue: PgQueue,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+        """The audit trail on the shared database: one entry per command that changed something."""
+        for argv in (["channel", "pause", "adt"], ["queue", "retry", queue.ids["adt2"]],
+                     ["queue", "fail", queue.ids["adt5"], "--reason", "bad MRN"],
+                     ["queue", "fail", queue.ids["lab1"]]):  # refused: nothing changed, nothing recorded
+            run(queue, capsys, *argv)
+        got = queue.db.rows("SELECT action, os_user, channel, reason, rows, detail, status, logged_at "
+                            "FROM operator_actions ORDER BY id")
+        me = operator()
+        assert [(a, u, c, r, n, s, logged) for a, u, c, r, n, _d, s, logged in got] == [
+            ("pause", me, "adt", None, 0, "done", None), ("retry", me, "adt", None, 1, "done", None),
+            ("fail", me, "adt", "bad MRN", 1, "done", None)]
+        assert json.loads(str(got[2][5])) == {"ids": [queue.ids["adt5"]], "channels": {"adt": 1}}
+
+
+class TestListShowsTheServersReason:
+    def test_list_and_show_carry_server_reason(self, queue: PgQueue, capsys: pytest.CaptureFixture[str]) -> None:
+        """A rejection's reason stored with the row (schema 2) is in list --json and show --json."""
+        queue.db.rows("UPDATE messages SET server_reason = 'unknown patient' WHERE id = %s", (queue.ids["adt3"],))
+        code, out, _ = run(queue, capsys, "queue", "list", "--state", "rejected", "--json")
+        assert code == 0
+        (entry,) = json.loads(out)
+        assert entry["id"] == queue.ids["adt3"] and entry["server_reason"] == "unknown patient"
+        code, out, _ = run(queue, capsys, "queue", "show", queue.ids["adt3"], "--json")
+        assert code == 0 and json.loads(out)["server_reason"] == "unknown patient"
