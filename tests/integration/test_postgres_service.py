@@ -11,6 +11,8 @@ everything resuming by itself, nothing accepted lost.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,9 +24,13 @@ from agenttest import exchange as mllp_exchange
 from agenttest import run_async as run
 from pgserver import PgDatabase
 
+from agent.app.cli import main
 from agent.app.config import Settings
-from agent.app.devserver import DevServer
+from agent.app.devserver import Answer, DevServer, default_answer
 from agent.app.service import Agent
+from agent.core.acks import AckCode, build_ack
+from agent.core.envelope import read_msh
+from agent.core.protocol import Transmit
 from agent.storage import postgres
 from agent.storage.postgres import PgOptions, PostgresDialect
 
@@ -149,6 +155,82 @@ class TestDatabaseFaults:
                     assert time.monotonic() - back < 20
                     await asyncio.sleep(0.05)
                 await until(lambda: "A1" in delivered(server), 20, "A1 delivered")
+
+        run(scenario(), timeout=90)
+
+
+class TestWhatAnOperatorSees:
+    def test_status_page_metrics_and_the_audit_trail_read_the_shared_database(
+        self, tmp_path: Path, pg_database: PgDatabase, monkeypatch: Any
+    ) -> None:
+        """On PostgreSQL as on SQLite: a 422 with a reason pauses the channel (on_reject = pause);
+        /status.json and the page show the channel blocked, the server's reason and the database;
+        /metrics has the queue's gauges; `channel resume` from the CLI is logged by the daemon."""
+        reason = "unknown patient identifier in PID-3"
+
+        async def decide(t: Transmit) -> Answer:
+            if t.control_id == "P0":
+                return Answer(422, build_ack(read_msh(t.body.encode()), AckCode.AE, text=reason).decode())
+            return default_answer(t)
+
+        admin_port = free_port()
+        settings = settings_for(tmp_path, pg_database, 0, admin_port=admin_port)
+        settings.channels[0].on_reject = "pause"
+        config = tmp_path / "cli.toml"
+        config.write_text(f'[agent]\nid = "{AGENT_ID}"\ndata_dir = "{tmp_path / "cli"}"\n[admin]\nlisten = ""\n'
+                          f'[queue]\nbackend = "postgresql"\ndsn = "{pg_database.dsn}"\n'
+                          '[[channels]]\nname = "adt"\nlisten = "127.0.0.1:1"\n', encoding="utf-8")
+        for name in [n for n in os.environ if n.startswith("HL7_AGENT_")]:
+            monkeypatch.delenv(name)
+
+        async def get(path: str) -> tuple[int, str]:
+            status, body = await asyncio.to_thread(http_get, f"http://127.0.0.1:{admin_port}{path}")
+            return status, body if isinstance(body, str) else body.decode()
+
+        async def scenario() -> None:
+            server = DevServer(token=TOKEN, decide=decide)
+            await server.start()
+            try:
+                settings.server.url = f"ws://127.0.0.1:{server.port}/agent"
+                async with agent_on(settings) as agent:
+                    for cid in ("P0", "P1", "P2"):
+                        assert ack_code(await send(agent, cid)) == "AA"
+
+                    async def blocked() -> bool:
+                        data = json.loads((await get("/status.json"))[1])
+                        found = [c for c in data["assessment"]["channels"] if c["name"] == "adt"]
+                        return bool(found) and found[0]["state"] == "blocked"
+
+                    deadline = time.monotonic() + 20
+                    while not await blocked():
+                        assert time.monotonic() < deadline, "channel never blocked by the pause"
+                        await asyncio.sleep(0.1)
+                    status, body = await get("/status.json")
+                    data = json.loads(body)
+                    (c,) = [c for c in data["assessment"]["channels"] if c["name"] == "adt"]
+                    assert (c["blocked_by"], c["depth"], c["last_settled_state"]) == ("pause", 2, "rejected")
+                    (failure,) = data["recent_failures"]
+                    assert failure["server_reason"] == reason and failure["server_status"] == 422
+                    assert data["stats"]["db"]["backend"] == "postgresql" and data["lease_held"] is True
+                    assert data["history"]["depth"][-1] == 2
+                    status, page = await get("/")
+                    assert status == 200 and reason in page
+                    status, metrics = await get("/metrics")
+                    assert status == 200
+                    assert 'hl7_agent_queue_depth{channel="adt",state="queued"} 2.0' in metrics
+                    assert 'hl7_agent_channel_paused{channel="adt"} 1.0' in metrics
+                    assert "hl7_agent_db_size_bytes " in metrics
+                    # An operator on any host resumes the channel: the daemon logs the entry (marks it).
+                    assert await asyncio.to_thread(main, ["channel", "resume", "adt", "--config", str(config)]) == 0
+                    await until(lambda: "P2" in delivered(server), 20, "the rest delivered after the resume")
+
+                    def logged() -> bool:
+                        return pg_database.rows("SELECT action FROM operator_actions "
+                                                "WHERE logged_at IS NOT NULL") == [("resume",)]
+
+                    await until(logged, 10, "the daemon to log the operator's action")
+            finally:
+                await server.stop()
 
         run(scenario(), timeout=90)
 
