@@ -325,10 +325,12 @@ def queue_database(workdir: Path, backend: str, dsn: str | None = None) -> Itera
     """The ``[queue]`` keys of the agent under test, on ``backend``.
 
     ``sqlite``: ``synchronous = "full"`` (queue.db in the data dir). ``postgresql``:
-    a fresh database on ``dsn``'s server, or, without one, on a throwaway local
-    cluster (tests/pgserver.py, fsync and synchronous_commit on) whose data
-    lives in the work dir, so the work dir decides the disk here too. The
-    password goes into a ``password_file``.
+    the database of ``dsn`` as it is (give an empty one: the agent creates its
+    tables there, and rows left by an earlier run would be delivered too), or,
+    without one, a fresh database on a throwaway local cluster
+    (tests/pgserver.py, fsync and synchronous_commit on) whose data lives in
+    the work dir, so the work dir decides the disk here too; its password
+    goes into a ``password_file``.
     """
     if backend == "sqlite":
         yield ['synchronous = "full"']
