@@ -274,6 +274,27 @@ class TestStandby:
         run(scenario(), timeout=60)
 
 
+class TestIdleHolder:
+    def test_an_idle_holder_polls_with_reads_and_writes_only_its_renewals(
+        self, tmp_path: Path, pg_database: PgDatabase
+    ) -> None:
+        """Nothing queued: the holder looks at each channel's head with reads (the reader's
+        connection), so in 5 s its writer commits about the lease renewals (heartbeat 2 s) and
+        nothing per poll; the agent's write lock stays free for the other hosts' intake."""
+
+        async def scenario() -> int:
+            async with dev_server() as server, agent_on(settings_for(tmp_path, pg_database, server.port)) as agent:
+                await until(lambda: agent.dispatcher is not None and agent.dispatcher.lease_held, 10, "the lease")
+                assert agent.writer is not None and agent.reader is not None
+                await asyncio.sleep(1.0)  # start-up writes (the first sweep, recovery) are done
+                before = agent.writer.batches
+                await asyncio.sleep(5.0)  # a measurement window, not synchronisation
+                return agent.writer.batches - before
+
+        batches = run(scenario(), timeout=60)
+        assert batches <= 4, f"{batches} write transactions in 5 s of an idle holder"
+
+
 def test_postgres_module_is_the_dialect_in_use(tmp_path: Path, pg_database: PgDatabase) -> None:
     """The service opens the configured backend: both of its stores run on PostgresDialect."""
 
