@@ -99,6 +99,10 @@ class TestDatabaseFaults:
                     settings_for(tmp_path, pg_database, server.port, admin_port=admin_port)) as agent:
                 assert ack_code(await send(agent, "B1")) == "AA"
                 await until(lambda: delivered(server) == ["B1"], 15, "B1 delivered")
+                # Settled too: a settle the outage cut off is sent again afterwards (same id, which
+                # a replaying server dedupes), and the delivery check below would count it twice.
+                await until(lambda: pg_database.rows("SELECT state FROM messages WHERE control_id = 'B1'")
+                            == [("processed",)], 15, "B1 settled")
                 await asyncio.to_thread(pg_server.stop)
                 try:
                     down = await send(agent, "D1")
