@@ -45,7 +45,7 @@ from agent.runtime.sdnotify import Notifier
 from agent.storage import maintenance
 from agent.storage import sqlite as db
 from agent.storage.maintenance import FREE_PAGE_SLACK
-from agent.storage.store import SqliteStore, db_options, make_store
+from agent.storage.store import SqliteStore, open_stores
 from agent.storage.writer import Reader, Writer
 
 if TYPE_CHECKING:
@@ -93,16 +93,18 @@ class Agent:
         if problem is not None:
             raise StartupError(problem.message(), key="agent.data_dir", path=str(problem.path),
                                error=problem.error)
-        options = db_options(s.queue)
+        # SQLite's file in data_dir, or the PostgreSQL database of queue.dsn.
         try:
-            conn = db.open_database(s.db_path, s.agent.id, options, time.time())
+            writer_store, reader_store = open_stores(s.db_path, s.queue, s.agent.id, time.time())
         except (OSError, StorageError) as exc:
             error = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
+            if s.queue.backend == "postgresql":
+                raise StartupError(f"queue.dsn: {error}", key="queue.dsn", error=error) from exc
             raise StartupError(f"agent.data_dir: {error}", key="agent.data_dir", path=str(s.db_path),
                                error=error) from exc
-        self.writer = Writer(make_store(conn, s.db_path, s.queue))
+        self.writer = Writer(writer_store)
         self.writer.start()
-        self.reader = Reader(make_store(db.connect(s.db_path, options, create=False), s.db_path, s.queue))
+        self.reader = Reader(reader_store)
 
     async def _listening_sockets(self) -> dict[str, socket.socket]:
         """systemd's sockets, else a predecessor's (handover), else bind (docs/deploy.md).
@@ -288,7 +290,7 @@ class Agent:
             agent_id=s.agent.id,
             version=__version__,
             channels=[c.name for c in s.channels],
-            db=str(s.db_path),
+            db=s.queue.dsn_masked if s.queue.backend == "postgresql" else str(s.db_path),
             upstream=s.server.url,
         )
 
@@ -433,6 +435,9 @@ class Agent:
         wal = self.settings.db_path.with_name(self.settings.db_path.name + "-wal")
         was_refusing: str | None = None
         shrink_owed = False  # pages released that the file has not given back yet
+        if not writer.store.dialect.file_maintenance:
+            await self._retention_sweeps(writer)
+            return
         try:
             if await reader.call(maintenance.auto_vacuum) == db.AUTO_VACUUM_NONE:
                 log.info("queue_file_keeps_free_pages",
@@ -494,6 +499,20 @@ class Agent:
                     await writer.call(maintenance.optimize)
             except (OSError, StorageError) as exc:
                 log.warning("maintenance_failed", error=str(exc))
+
+    async def _retention_sweeps(self, writer: Writer) -> None:
+        """The retention sweep alone, every ``retention_interval``: a database server keeps
+        its own files and disk (PostgreSQL's autovacuum, its WAL), so the rest of
+        :meth:`_maintenance` is not ours there. Every host runs it; sweeps never overlap
+        (each is one write transaction)."""
+        while True:
+            try:
+                purged = await writer.call(maintenance.reclaim, time.time())
+                if purged:
+                    log.info("retention_purged", rows=purged)
+            except StorageError as exc:
+                log.warning("maintenance_failed", error=str(exc))
+            await asyncio.sleep(self.settings.queue.retention_interval)
 
     # -- stop ----------------------------------------------------------------
 
@@ -572,8 +591,9 @@ class Agent:
             self.writer.close()
         if self.reader is not None:
             # Give the WAL's space back, but never queue behind a successor's writes.
-            with contextlib.suppress(Exception):
-                self.reader.call_blocking(maintenance.checkpoint, "TRUNCATE", wait=0.5)
+            if self.reader.store.dialect.file_maintenance:
+                with contextlib.suppress(Exception):
+                    self.reader.call_blocking(maintenance.checkpoint, "TRUNCATE", wait=0.5)
             self.reader.close()
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from agent.core.states import ALL, DEPTH, Event
@@ -42,13 +41,6 @@ from agent.storage.store_dispatch import DispatchQueries
 
 #: Above every seq (SQLite integers are 64-bit): "before the end" for a channel with no head.
 _NO_SEQ = 2**63 - 1
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 class OperatorQueries(DispatchQueries):
@@ -92,11 +84,7 @@ class OperatorQueries(DispatchQueries):
             "states": by_state,
             "channels": dict(sorted(channels.items())),
             "lease": lease_obj,
-            "db": {
-                "path": str(self.db_path),
-                "size_bytes": _file_size(self.db_path),
-                "wal_bytes": _file_size(maintenance.wal_path(self.db_path)),
-            },
+            "db": self.dialect.db_stats(self.conn, self.db_path),
         }
 
     def recent_failures(self, limit: int) -> list[RecentFailure]:

@@ -1,6 +1,9 @@
 """One writer thread, group commit; one reader thread for polling and stats.
 
-SQLite is synchronous and allows one writer at a time. The event loop never
+The same on every backend (the store's dialect does what differs). SQLite is
+synchronous and allows one writer at a time; on PostgreSQL each write
+transaction takes one lock the same way, and group commit shares a commit
+(and its WAL flush) among several senders just as well. The event loop never
 waits on it: callers ``await writer.call(SqliteStore.method, …)``; the thread
 takes every job waiting, runs them in one write transaction (each in its own
 SAVEPOINT so a failing job does not sink the batch) and resolves the futures
@@ -162,16 +165,21 @@ class Writer:
 
     def _run_batch(self, batch: list[_Job]) -> None:
         store = self.store
-        conn, dialect = store.conn, store.dialect
+        dialect = store.dialect
         try:
-            dialect.begin_write(conn)
+            # On a database server the connection may have been lost since the
+            # last batch: the store opens it again first (or fails at once).
+            conn = store.begin_write()
+        except StorageError as exc:
+            self._fail_all(batch, exc)
+            return
         except dialect.Error as exc:
             self._fail_all(batch, dialect.storage_error(exc))
             return
         # Intake measures free disk space once per batch, not on a timer: a
         # burst cannot outrun the check and eat the reserve dispatch needs.
         self.store.begin_batch()
-        changes = conn.total_changes
+        changes = dialect.changes(conn)
         outcomes: list[tuple[bool, Any]] = []
         for index, job in enumerate(batch):
             savepoint = f"job{index}"
@@ -185,9 +193,10 @@ class Writer:
                 if isinstance(exc, dialect.Error):
                     exc = dialect.storage_error(exc)
                 outcomes.append((False, exc))
-                if isinstance(exc, StorageError) and not conn.in_transaction:
-                    # SQLite rolled the whole transaction back (e.g. disk I/O
-                    # error): nothing of this batch is committed.
+                if isinstance(exc, StorageError) and not dialect.in_transaction(conn):
+                    # The whole transaction is gone (SQLite rolled it back after
+                    # a disk I/O error; the server connection was lost): nothing
+                    # of this batch is committed.
                     self._fail_all(batch, exc)
                     return
         try:
@@ -197,7 +206,7 @@ class Writer:
             self._fail_all(batch, dialect.storage_error(exc))
             return
         self.batches += 1
-        if conn.total_changes != changes:
+        if dialect.changes(conn) != changes:
             self.last_write = time.monotonic()
         for job, (ok, value) in zip(batch, outcomes, strict=True):
             if job.future.set_running_or_notify_cancel():
@@ -237,6 +246,7 @@ class Reader:
         store = self.store
         with self._lock:
             try:
+                store.connection()  # a connection lost since the last read is opened again
                 return method(store, *args, **kwargs)
             except store.dialect.Error as exc:
                 raise store.dialect.storage_error(exc) from exc

@@ -162,8 +162,10 @@ def stats_document(
 def render_stats(data: dict[str, Any], lease_row: LeaseRow | None, now: float) -> str:
     out: list[str] = []
     d = data["db"]
+    # SQLite: the file and its WAL; PostgreSQL: the masked dsn (the server keeps its own WAL).
+    wal = f", WAL {human_bytes(d['wal_bytes'])}" if d.get("wal_bytes") is not None else ""
     out.append(
-        f"database  {d['path']}  ({human_bytes(d['size_bytes'])}, WAL {human_bytes(d['wal_bytes'])})"
+        f"database  {d.get('path') or d.get('dsn')}  ({human_bytes(d['size_bytes'])}{wal})"
         f"  agent.id {d.get('agent_id')}  schema {d.get('schema_version')}"
     )
     lease = data["lease"]

@@ -49,6 +49,7 @@ from agent.app.config.values import (
 )
 from agent.core.addresses import parse_listen
 from agent.errors import ConfigError
+from agent.storage.conninfo import dsn_has_password, mask_dsn
 
 
 def _absolute(path: Path | None, info: ValidationInfo) -> Path | None:
@@ -197,15 +198,33 @@ class AdminSettings(_Section):
         return parse_listen(self.listen, allow_port_zero=True) if self.listen else None
 
 
+#: Keys that tune the SQLite file and mean nothing on a database server: refused with
+#: backend = "postgresql" rather than silently ignored.
+SQLITE_ONLY_KEYS = ("synchronous", "max_db_bytes", "min_free_disk_bytes", "checkpoint_interval")
+
+
 class QueueSettings(_Section):
+    # "sqlite": queue.db in data_dir (one host). "postgresql": a database several
+    # hosts share (docs/ha.md), reached with dsn.
+    backend: Annotated[Literal["sqlite", "postgresql"], BeforeValidator(_lower)] = "sqlite"
+    # libpq URL or key/value conninfo; a password in it is masked wherever it is shown.
+    dsn: Annotated[str | None, BeforeValidator(_empty_is_none)] = None
+    # The database password, read at every connect (never on a command line).
+    password_file: OptionalPath = None
     synchronous: Annotated[Literal["full", "normal"], BeforeValidator(_lower)] = "full"
     dedupe_window: Duration = 7 * 86400.0
     retention: Duration = 30 * 86400.0
     max_db_bytes: ByteSize = 0  # 0 = no cap
     min_free_disk_bytes: ByteSize = 256 * MiB
+    # SQLite's busy timeout; PostgreSQL's lock_timeout on the agent's sessions.
     busy_timeout: PositiveDuration = 5.0
     checkpoint_interval: PositiveDuration = 60.0
     retention_interval: PositiveDuration = 300.0
+
+    @field_validator("password_file", mode="after")
+    @classmethod
+    def _resolve_password_file(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        return _absolute(value, info)
 
     @model_validator(mode="after")
     def _retention_covers_dedupe(self) -> QueueSettings:
@@ -216,6 +235,59 @@ class QueueSettings(_Section):
                 f"({_human(self.dedupe_window)})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _backend_keys(self) -> QueueSettings:
+        if self.backend == "sqlite":
+            given = [k for k in ("dsn", "password_file") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(
+                    f'{" and ".join(given)} {"applies" if len(given) == 1 else "apply"} only to '
+                    'backend = "postgresql" '
+                    '(the default backend "sqlite" keeps queue.db in agent.data_dir)'
+                )
+            return self
+        sqlite_only = [k for k in SQLITE_ONLY_KEYS if k in self.model_fields_set]
+        if sqlite_only:
+            raise ValueError(
+                f'{", ".join(sqlite_only)} {"is" if len(sqlite_only) == 1 else "are"} SQLite-only '
+                'and refused with backend = "postgresql" (the database server keeps its own '
+                "durability and disk); remove them"
+            )
+        if self.dsn is None:
+            raise ValueError(
+                'backend = "postgresql" needs dsn, e.g. dsn = "postgresql://hl7agent@db.example.org:5432/hl7"'
+            )
+        _check_dsn(self.dsn)
+        if self.password_file is not None and dsn_has_password(self.dsn):
+            raise ValueError("the dsn holds a password and password_file is set too; keep only one")
+        return self
+
+    @property
+    def dsn_masked(self) -> str | None:
+        """``dsn`` as it may be shown: a password in it replaced by ``***``."""
+        return None if self.dsn is None else mask_dsn(self.dsn)
+
+
+def _check_dsn(dsn: str) -> None:
+    """psycopg installed, and ``dsn`` a connection string libpq can parse (without connecting)."""
+    try:
+        from psycopg import ProgrammingError
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        raise ValueError(
+            "backend = \"postgresql\" needs psycopg, which is not installed: "
+            "pip install 'hl7-agent[postgresql]'"
+        ) from None
+    try:
+        conninfo_to_dict(dsn)
+    except ProgrammingError as exc:
+        # libpq's own words, with the connection string masked (it may hold a password).
+        reason = str(exc).replace(dsn, mask_dsn(dsn)).strip().splitlines()[0]
+        raise ValueError(
+            f"dsn {mask_dsn(dsn)!r} is not a libpq connection string ({reason}); use "
+            "postgresql://user@host:5432/dbname or host=... dbname=..."
+        ) from None
 
 
 class DispatchSettings(_Section):
