@@ -27,6 +27,10 @@ dedupe, seq, the fenced transitions, stats — is the same store code
 - **A lost connection is opened again** before the next transaction, spaced
   out with backoff while the server is away; until then every write fails at
   once (intake answers "resend later", ``/readyz`` is not ready).
+
+One module of about 450 lines: the dialect's session settings, its error
+mapping, reconnecting and the migration lock all act on the same
+connection, and split apart each would need the others' internals.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The schema rules every backend follows: versions, additive migrations, the owner.
 
-docs/queue.md#schema: a database records ``schema_version`` and
+docs/queue.md#schema-versions-and-upgrades: a database records ``schema_version`` and
 ``min_compatible_version`` in its ``meta`` table; migrations are additive
 (new tables, new nullable columns, explicit column lists everywhere), so the
 previous agent version keeps working on a migrated database; a process
