@@ -317,11 +317,15 @@ class Connection(asyncio.Protocol):
             transport.abort()
 
     def _commit(self, action: Commit) -> None:
-        # One frame, one row today; HL7 batch frames (issue 10) commit theirs through
-        # SqliteStore.intake_batch, all or none.
-        (message,) = action.items
-        future = _submit(self.ctx.writer, SqliteStore.intake, intake_item(self.channel.name, self.remote, message))
+        # One frame, one row; an HL7 batch frame commits its members together, all or none.
+        items = [intake_item(self.channel.name, self.remote, message) for message in action.items]
+        future: concurrent.futures.Future[Any]
+        if len(items) == 1:
+            future = _submit(self.ctx.writer, SqliteStore.intake, items[0])
+        else:
+            future = _submit(self.ctx.writer, SqliteStore.intake_batch, items)
         ticket = action.ticket
+        many = len(items) > 1
 
         def done(fut: concurrent.futures.Future[Any]) -> None:
             if fut.cancelled():
@@ -329,7 +333,8 @@ class Connection(asyncio.Protocol):
             elif (error := fut.exception()) is not None:
                 self.core.commit_failed(ticket, error)
             else:
-                self.core.commit_done(ticket, (fut.result(),))
+                result = fut.result()
+                self.core.commit_done(ticket, result if many else (result,))
             self._run()
 
         future.add_done_callback(lambda fut: self._from_writer(done, fut))
