@@ -497,7 +497,10 @@ class IntakeConnection:
             elif isinstance(event, mllp.Frame):
                 decision = policy_.decide_frame(payload, self.policy, received_at)
             else:
-                decision = policy_.decide_oversize(payload, event.size, self.policy, received_at)
+                if batch_.is_batch(payload):
+                    decision = intake_batch.decide_oversize_batch(payload, event.size, self.policy, received_at)
+                else:
+                    decision = policy_.decide_oversize(payload, event.size, self.policy, received_at)
         except Exception as exc:  # noqa: BLE001 - answered: no frame ends in silence
             decision = policy_.handling_failed(exc, payload, received_at)
         self._apply(decision, slot)

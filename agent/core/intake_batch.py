@@ -51,7 +51,7 @@ from agent.core.intake_types import (
 from agent.core.states import AckOutcome
 from agent.errors import EnvelopeError
 
-__all__ = ["batch_replies", "batch_storage_failed", "decide_batch"]
+__all__ = ["batch_replies", "batch_storage_failed", "decide_batch", "decide_oversize_batch"]
 
 #: HL7 table 0357: 100 segment sequence error (a batch whose envelope does not add up).
 _STRUCTURE_ERROR = 100
@@ -110,6 +110,32 @@ def decide_batch(payload: bytes, batch: batch_.Batch, policy: ChannelPolicy, rec
             return Decision(tuple(effects), OwedReply((OwedFrame(batch_.ack_batch(batch, (), now=_hl7_now())),)))
         return Decision(tuple(effects), batch=BatchPlan(batch, tuple(messages), payload, received_at))
     return _refused(payload, batch, envs, refusals, policy, received_at, effects)
+
+
+def decide_oversize_batch(prefix: bytes, size: int, policy: ChannelPolicy, received_at: float) -> Decision:
+    """A batch frame over ``max_message_bytes``: an ACK batch refusing every member its kept prefix shows.
+
+    Only the frame's first bytes were kept (the framer discards the rest
+    unbuffered), so the answer names the members found there, each AE/CE
+    with ERR-3 207, and says nothing of the batch was accepted.
+    """
+    found = batch_.split_batch(prefix)
+    assert found is not None
+    limit = policy.max_message_bytes
+    text = f"batch of {size} bytes exceeds max_message_bytes {limit}; nothing of it was accepted"
+    member_acks = []
+    for member in found.members:
+        env = _envelope(member)
+        code = acks.ack_code(Outcome.TOO_LARGE, env is not None and env.enhanced)
+        member_acks.append(acks.build_ack(env, code, text=text, error_code=207, codec=codec_or_default(env, policy),
+                                          inbound_control_id=envelope.scrape_control_id(member) if env is None else ""))
+    whole = batch_.Batch(found.fhs, found.groups, found.fts)
+    response = batch_.ack_batch(whole, member_acks, now=_hl7_now(), comment="batch refused")
+    too_large = Log("warning", "frame_too_large", {"size": size, "limit": limit, "members_seen": len(member_acks)})
+    effects: list[Effect] = [Count(Counter.MESSAGE_REJECTED, acks.read_ack_code(a) or "") for a in member_acks]
+    effects.append(Audit(AuditRecord(prefix, "207", text, _envelope(found.members[0]) if found.members else None,
+                                     ack_sent=response, received_at=received_at), then=(too_large,)))
+    return Decision(tuple(effects), OwedReply((OwedFrame(response),)))
 
 
 def _refused(payload: bytes, batch: batch_.Batch, envs: list[Envelope | None],

@@ -7,30 +7,15 @@ the store's own ``IntakeResult`` values.
 
 from __future__ import annotations
 
-from agenttest import ack_code, hl7_message, msa2
+from agenttest import ack_code, batch_of, hl7_message, members_of, msa2
 from test_intake_connection import FakeClock, Peer, framed
 
-from agent.core.batch import split_batch
 from agent.core.intake import IntakeConnection
 from agent.core.intake_actions import AwaitApplicationAck, Commit, Send
 from agent.core.intake_types import Audit, ChannelPolicy, RecordOutcome
 from agent.core.states import AckOutcome
 from agent.errors import StorageError
 from agent.storage.store import IntakeResult
-
-
-def batch_of(*messages: bytes, fhs: bool = False, count: int | None = None) -> bytes:
-    head = b"FHS|^~\\&|LAB|NORTH|EHR|CENTRAL|20260101||||F-IN\r" if fhs else b""
-    n = len(messages) if count is None else count
-    body = head + b"BHS|^~\\&|LAB|NORTH|EHR|CENTRAL|20260101||||B-IN\r" + b"".join(messages) + b"BTS|%d\r" % n
-    return body + (b"FTS|1\r" if fhs else b"")
-
-
-def members_of(ack_batch: bytes) -> list[bytes]:
-    """The ACKs inside an ACK batch, each as MSH...MSA...(ERR) bytes."""
-    batch = split_batch(ack_batch)
-    assert batch is not None and batch.problem is None
-    return list(batch.members)
 
 
 def open_peer(policy: ChannelPolicy | None = None) -> Peer:
