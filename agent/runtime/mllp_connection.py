@@ -20,7 +20,7 @@ import socket
 import time
 from collections.abc import Callable
 from itertools import count
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import structlog
 
@@ -53,9 +53,11 @@ from agent.storage.store import AuditItem, IntakeItem, SqliteStore
 from agent.storage.writer import Writer
 
 if TYPE_CHECKING:
-    from agent.runtime.mllp_server import ChannelListener
+    from agent.app.config import ChannelSettings
+    from agent.core.intake_types import ChannelPolicy
+    from agent.runtime.mllp_server import IntakeContext
 
-__all__ = ["SYSTEM_CLOCK", "Connection", "audit_item", "intake_item", "source_address"]
+__all__ = ["SYSTEM_CLOCK", "Connection", "ConnectionOwner", "audit_item", "intake_item", "source_address"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -116,10 +118,24 @@ def source_address(peer: Any) -> str:
     return str(address)
 
 
+class ConnectionOwner(Protocol):
+    """What a connection needs of whoever made it: a listener (mllp_server) or an outbound channel (outbound)."""
+
+    channel: ChannelSettings
+    ctx: IntakeContext
+    policy: ChannelPolicy
+
+    @property
+    def can_hand_over(self) -> bool: ...
+    def admit(self, conn: Connection, peer: Any) -> bool: ...  # noqa: ANN401 - a socket address
+    def opened(self, conn: Connection) -> None: ...
+    def finished(self, conn: Connection) -> None: ...
+
+
 class Connection(asyncio.Protocol):
     """One sender's connection: pumps bytes into the intake core and applies its actions."""
 
-    def __init__(self, listener: ChannelListener, *, adopted: tuple[str, bytes, Owed] | None = None) -> None:
+    def __init__(self, listener: ConnectionOwner, *, adopted: tuple[str, bytes, Owed] | None = None) -> None:
         self.listener = listener
         self.channel = listener.channel
         self.ctx = listener.ctx
