@@ -361,8 +361,10 @@ class ChannelSettings(_Section):
             raise ValueError("tls_cert and tls_key go together; set both or neither")
         if self.connect is not None:
             # A security setting is never silently ignored: a listener's keys mean nothing here.
+            # (Their defaults pass: check-config's output of this channel loads again.)
             for key in ("tls_client_ca", "allowed_sources", "max_connections", "max_connections_per_source"):
-                if key in self.model_fields_set and getattr(self, key):
+                default = type(self).model_fields[key].get_default(call_default_factory=True)
+                if getattr(self, key) != default:
                     raise ValueError(f"{key} is for a listening channel; this channel dials out (connect)")
             if self.tls_cert is not None and self.tls_server_ca is None:
                 raise ValueError("tls_cert/tls_key on an outbound channel are its client certificate: "
