@@ -18,7 +18,9 @@ shared queue before its ACK, and dedupe makes a resend harmless.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import json
 import os
 import socket
 import ssl
@@ -33,6 +35,7 @@ from agent.core.intake_types import ChannelPolicy
 from agent.core.timefmt import rfc3339
 from agent.runtime.mllp_connection import Connection
 from agent.runtime.mllp_server import IntakeContext, channel_policy
+from agent.storage.store import SqliteStore
 
 if TYPE_CHECKING:
     from agent.app.config import ChannelSettings
@@ -219,6 +222,7 @@ class OutboundChannel:
         return conn
 
     def _set_state(self, state: OutboundState, *, error: str | None = None) -> None:
+        changed = state != self.state or (error is not None and error != self.last_error)
         if state != self.state:
             self.since = time.time()
             self.state = state
@@ -226,3 +230,17 @@ class OutboundChannel:
             self.last_error = error
         if self.ctx.metrics is not None:
             self.ctx.metrics.set_outbound_connected(self.channel.name, state == "connected")
+        if changed:
+            self._record()
+
+    def _record(self) -> None:
+        """Keep the state in the queue database too, for ``queue stats`` (another process).
+
+        Written when the state or the error changes, never per attempt; a
+        failed write only costs the CLI its freshness (the page reads memory).
+        """
+        state = {k: v for k, v in self.status().items() if k not in ("connects", "failed_attempts")}
+        state["pid"] = os.getpid()
+        future: concurrent.futures.Future[None] = self.ctx.writer.submit(
+            SqliteStore.record_outbound, self.channel.name, json.dumps(state, sort_keys=True))
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())

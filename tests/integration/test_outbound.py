@@ -10,7 +10,9 @@ again on the next connection. The scripts drop connections the hard way
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -176,6 +178,25 @@ class TestOutboundChannel:
                 assert "connection refused" in view["assessment"]["summary"]
                 metrics = agent.metrics.exposition().decode()
                 assert 'hl7_agent_outbound_connected{channel="adt"} 0.0' in metrics
+                # queue stats, from another process, reads what the daemon recorded in the database.
+                await until(lambda: rows(agent, "SELECT value FROM meta WHERE key = 'outbound:adt'"), what="recorded")
+                config = tmp_path / "agent.toml"
+                config.write_text(f'[agent]\nid = "outbound-test"\ndata_dir = "{tmp_path / "data"}"\n'
+                                  f'[admin]\nlisten = ""\n[[channels]]\nname = "adt"\nconnect = "127.0.0.1:{port}"\n',
+                                  encoding="utf-8")
+                for flag in ("--json", ""):
+                    proc = await asyncio.create_subprocess_exec(
+                        sys.executable, "-m", "agent", "queue", "stats", *([flag] if flag else []), "--config",
+                        str(config), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                    out, err = await asyncio.wait_for(proc.communicate(), 30)
+                    assert proc.returncode == 0, err
+                    if flag:
+                        recorded = json.loads(out)["channels"]["adt"]["outbound"]
+                        assert (recorded["state"], recorded["last_error"]) == ("reconnecting", "connection refused")
+                        assert recorded["connect"] == f"127.0.0.1:{port}"
+                    else:
+                        assert f"outbound  adt  reconnecting to 127.0.0.1:{port} since" in out.decode()
+                        assert "last error: connection refused" in out.decode()
                 sender = PushingSender(script)
                 await sender.start(port)
                 try:
