@@ -96,7 +96,8 @@ def decide_batch(payload: bytes, batch: batch_.Batch, policy: ChannelPolicy, rec
             refusals[index] = (decision.reply.frames[0].frame, "200", reason)
             continue
         decision = decide_frame(member, policy, received_at, ack_always=True)
-        effects.extend(e for e in decision.effects if isinstance(e, Count))
+        # Received counts per member; rejections are counted once, from the ACK batch (below).
+        effects.extend(e for e in decision.effects if isinstance(e, Count) and e.counter is Counter.MESSAGE_RECEIVED)
         if decision.commit is not None:
             messages.append(decision.commit)
             continue

@@ -12,7 +12,7 @@ from test_intake_connection import FakeClock, Peer, framed
 
 from agent.core.intake import IntakeConnection
 from agent.core.intake_actions import AwaitApplicationAck, Commit, Send
-from agent.core.intake_types import Audit, ChannelPolicy, RecordOutcome
+from agent.core.intake_types import Audit, ChannelPolicy, Count, Counter, RecordOutcome
 from agent.core.states import AckOutcome
 from agent.errors import StorageError
 from agent.storage.store import IntakeResult
@@ -73,6 +73,16 @@ class TestBatchIntake:
         (audit,) = peer.of(Audit)  # the frame kept whole as one audit row
         assert audit.record.body == batch_of(hl7_message("A"), broken, hl7_message("C"))
         assert audit.record.error_code == "101"
+
+    def test_a_refused_batch_counts_each_member_once(self) -> None:
+        """hl7_agent_messages_received/rejected: one per member, the refused member not twice."""
+        broken = hl7_message("B").replace(b"ADT^A01^ADT_A01", b"")
+        peer = open_peer()
+        peer.send(framed(batch_of(hl7_message("A"), broken, hl7_message("C"))))
+        counted = [(c.counter, c.label) for c in peer.of(Count)]
+        assert sorted(counted, key=str) == sorted([(Counter.MESSAGE_RECEIVED, "")] * 2 + [
+            (Counter.MESSAGE_REJECTED, "AR"), (Counter.MESSAGE_REJECTED, "AE"), (Counter.MESSAGE_REJECTED, "AR")],
+            key=str)
 
     def test_a_count_that_does_not_match_refuses_every_member(self) -> None:
         peer = open_peer()
