@@ -48,6 +48,13 @@ log = structlog.get_logger(__name__)
 CONNECT_TIMEOUT = 10.0
 #: Reconnect delays are drawn from [base * (1 - JITTER), base] (agent.core.retry).
 JITTER = 0.2
+#: A connection that stood this long starts the backoff over; one the sender
+#: closes at once (it serves another client) keeps backing off instead of
+#: being redialled every ``reconnect_initial``.
+STABLE_AFTER = 10.0
+#: TCP keepalive (Linux): a sender gone without FIN is noticed in about 2 minutes.
+KEEPALIVE = ((getattr(socket, "TCP_KEEPIDLE", None), 60), (getattr(socket, "TCP_KEEPINTVL", None), 10),
+             (getattr(socket, "TCP_KEEPCNT", None), 6))
 
 OutboundState = Literal["connecting", "connected", "reconnecting", "stopped"]
 
@@ -101,6 +108,7 @@ class OutboundChannel:
         self.last_error: str | None = None
         self.connects = 0
         self.failures = 0  # dial failures since the last connection stood
+        self.last_delay = 0.0  # the last wait before a redial (seconds)
 
     # -- what the service asks (the same names as a listener's) -----------------
 
@@ -178,13 +186,15 @@ class OutboundChannel:
         while not self._stopping:
             conn = await self._dial()
             if conn is not None:
-                delays = self._delays()  # a connection stood: the next loss starts the backoff over
+                began = time.monotonic()
                 await self._gone.wait()
                 if self._stopping:
                     return
+                if time.monotonic() - began >= STABLE_AFTER:
+                    delays = self._delays()  # it stood: the next loss starts the backoff over
                 self._set_state("reconnecting", error="connection lost")
                 self.log.warning("outbound_connection_lost")
-            delay = next(delays)
+            delay = self.last_delay = next(delays)
             self.log.debug("outbound_reconnect_scheduled", delay_s=round(delay, 2), failures=self.failures)
             await asyncio.sleep(delay)
 
@@ -212,8 +222,11 @@ class OutboundChannel:
             with contextlib.suppress(OSError):
                 # A sender that vanishes without FIN is noticed (the connection is dialled again).
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                for option, value in KEEPALIVE:
+                    if option is not None:
+                        sock.setsockopt(socket.IPPROTO_TCP, option, value)
         self.connects += 1
-        self.failures = 0
+        self.failures = 0  # dial failures; a connection that does not stand still backs off (STABLE_AFTER)
         self.last_error = None
         self._set_state("connected")
         self.log.info("outbound_connected", tls=self._ssl is not None, connects=self.connects)

@@ -233,6 +233,29 @@ class TestOutboundChannel:
         run(scenario())
 
 
+    def test_a_sender_that_closes_at_once_is_redialled_with_growing_delays(self, tmp_path: Path) -> None:
+        """Connected, then closed at once (the sender serves another client): the backoff does not start over."""
+
+        async def script(sender: PushingSender, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         n: int) -> None:
+            writer.transport.abort()
+
+        async def scenario() -> None:
+            sender = PushingSender(script)
+            port = await sender.start()
+            try:
+                async with agent_running(outbound_settings(tmp_path, None, port)) as agent:
+                    (outbound,) = agent.outbound
+                    await until(lambda: outbound.connects >= 5, what="five short connections")
+                    # reconnect_initial 0.05 s doubling: the wait before the 5th dial was 0.4 s less
+                    # at most 20 % jitter (and every later one more); a reset would make it 0.05 s.
+                    assert outbound.last_delay >= 0.3
+            finally:
+                await sender.stop()
+
+        run(scenario())
+
+
 class TestOutboundTls:
     def test_tls_with_a_client_certificate(self, tmp_path: Path) -> None:
         pki = make_test_pki(tmp_path)
