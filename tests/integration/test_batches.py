@@ -122,6 +122,20 @@ class TestBatchEndToEnd:
                 await conn.close()
         run(scenario())
 
+    def test_application_channel_answers_the_batch_then_relays_each_application_ack(self, tmp_path: Path) -> None:
+        """ack = "application": the ACK batch is not held; the server's answers follow one by one."""
+        async def scenario() -> None:
+            async with dev_server() as server, agent_running(
+                    settings_for(tmp_path, url(server), [{"name": "adt", "ack": "application"}])) as agent:
+                conn = await MllpConn.open(port_of(agent, "adt"))
+                response = await conn.exchange(batch_of(hl7_message("P-1"), hl7_message("P-2")))
+                assert [(ack_code(a), msa2(a)) for a in members_of(response)] == [("AA", "P-1"), ("AA", "P-2")]
+                relayed = [await conn.read_ack(20), await conn.read_ack(20)]
+                assert [msa2(a) for a in relayed] == ["P-1", "P-2"]
+                assert all(a.startswith(b"MSH") for a in relayed), "each application ACK in its own frame"
+                await conn.close()
+        run(scenario())
+
     def test_batch_over_max_message_bytes_is_refused(self, tmp_path: Path) -> None:
         async def scenario() -> None:
             async with agent_running(settings_for(tmp_path, None, [{"name": "adt", "max_message_bytes": 1024}])) as agent:
