@@ -252,6 +252,18 @@ class AgentMetrics:
             registry=r,
         )
         self._audit_not_stored_children: dict[str, Counter] = {}
+        self._outbound_connected = Gauge(
+            "hl7_agent_outbound_connected",
+            "1 while an outbound channel (connect) holds its connection to the sender, 0 while it reconnects.",
+            ["channel"],
+            registry=r,
+        )
+        self._outbound_attempts = Counter(
+            "hl7_agent_outbound_connect_attempts",
+            "Connection attempts of outbound channels to their senders, by result (connected or failed).",
+            ["channel", "result"],
+            registry=r,
+        )
         self._info = Gauge(
             "hl7_agent_info",
             "Constant 1, labelled with this process's version and agent id.",
@@ -325,6 +337,15 @@ class AgentMetrics:
         if child is None:
             child = self._audit_not_stored_children[channel] = self._audit_not_stored.labels(channel=channel)
         child.inc()
+
+    def outbound_attempt(self, channel: str, connected: bool) -> None:
+        """An outbound channel dialled its sender: it connected, or it failed (and will back off)."""
+        self._outbound_attempts.labels(channel=channel, result="connected" if connected else "error").inc()
+        if connected:
+            self._outbound_connected.labels(channel=channel).set(1)
+
+    def set_outbound_connected(self, channel: str, up: bool) -> None:
+        self._outbound_connected.labels(channel=channel).set(1 if up else 0)
 
     def set_upstream_connected(self, up: bool) -> None:
         self._upstream.set(1 if up else 0)

@@ -43,6 +43,10 @@ from agent.storage.store_dispatch import DispatchQueries
 _NO_SEQ = 2**63 - 1
 
 
+#: ``meta`` keys holding an outbound channel's connection state: ``outbound:<channel>``.
+OUTBOUND_META_PREFIX = "outbound:"
+
+
 class OperatorQueries(DispatchQueries):
     """Stats, health, relay polling and the operator's reads and writes."""
 
@@ -143,6 +147,10 @@ class OperatorQueries(DispatchQueries):
     def meta(self) -> dict[str, str]:
         """The ``meta`` table: agent_id, schema_version, queue_id, …"""
         return {str(k): str(v) for k, v in self._exec("meta_all")}
+
+    def record_outbound(self, channel: str, state_json: str) -> None:
+        """An outbound channel's connection state (JSON), for ``queue stats`` in another process."""
+        self._exec("meta_upsert", key=f"{OUTBOUND_META_PREFIX}{channel}", value=state_json)
 
     def settled_by_channel(self) -> list[StateCount]:
         """Counts of terminal rows (settled and audit) per channel and state."""

@@ -87,6 +87,8 @@ def _doc_value(cell: str) -> object:
 def _model_default(section: str, key: str) -> Any:
     model = _MODELS[section]
     base = dict(_CHANNEL_REQUIRED) if section == "channels" else {}
+    if section == "channels" and key == "listen":
+        base = {"name": "adt", "connect": "127.0.0.1:2575"}  # an outbound channel: listen unset
     return getattr(model.model_validate(base), key)
 
 

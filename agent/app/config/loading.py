@@ -252,7 +252,7 @@ def _check_files_exist(settings: Settings, sources: dict[str, str], path: Path |
     for index, channel in enumerate(settings.channels):
         checks += [
             (f"channels[{index}].{key}", getattr(channel, key))
-            for key in ("tls_cert", "tls_key", "tls_client_ca")
+            for key in ("tls_cert", "tls_key", "tls_client_ca", "tls_server_ca")
         ]
     for dotted, file in checks:
         if file is not None and not file.is_file():

@@ -315,7 +315,10 @@ class DispatchSettings(_Section):
 
 class ChannelSettings(_Section):
     name: str
-    listen: str
+    # Exactly one of the two: listen for senders, or dial out to a sender that
+    # acts as the MLLP server (an outbound channel, "client mode").
+    listen: str | None = None
+    connect: str | None = None
     ack: Annotated[Literal["commit", "application"], BeforeValidator(_lower)] = "commit"
     guaranteed_delivery: bool = False
     max_message_bytes: Annotated[ByteSize, Field(ge=KiB, le=64 * MiB)] = 1048576
@@ -341,6 +344,15 @@ class ChannelSettings(_Section):
     accept_message_types: list[str] = Field(default_factory=list)
     accept_processing_ids: list[str] = Field(default_factory=list)
     accept_versions: list[str] = Field(default_factory=list)  # "2.5" also admits "2.5.1"
+    # Outbound channels (connect): TLS verifies the sender's certificate
+    # against tls_server_ca (setting it turns TLS on) for tls_server_name (the
+    # connect host by default); tls_cert/tls_key are then our client
+    # certificate. A lost connection is dialled again after a capped,
+    # jittered backoff (reconnect_initial doubling up to reconnect_cap).
+    tls_server_ca: OptionalPath = None
+    tls_server_name: str | None = None
+    reconnect_initial: PositiveDuration = 1.0
+    reconnect_cap: PositiveDuration = 30.0
 
     @field_validator("name")
     @classmethod
@@ -351,9 +363,23 @@ class ChannelSettings(_Section):
 
     @field_validator("listen")
     @classmethod
-    def _listen(cls, value: str, info: ValidationInfo) -> str:
+    def _listen(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
         strict = bool((info.context or {}).get("strict_ports"))
         parse_listen(value, allow_port_zero=not strict)
+        return value.strip()
+
+    @field_validator("connect")
+    @classmethod
+    def _connect(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            parse_listen(value)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("listen ", "connect ", 1).replace("0.0.0.0:2575", "lis.example.org:2575")
+                             ) from None
         return value.strip()
 
     @field_validator("encoding")
@@ -392,27 +418,55 @@ class ChannelSettings(_Section):
                 ) from None
         return networks
 
-    @field_validator("tls_cert", "tls_key", "tls_client_ca", mode="after")
+    @field_validator("tls_cert", "tls_key", "tls_client_ca", "tls_server_ca", mode="after")
     @classmethod
     def _resolve_paths(cls, value: Path | None, info: ValidationInfo) -> Path | None:
         return _absolute(value, info)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ChannelSettings:
+        if (self.listen is None) == (self.connect is None):
+            raise ValueError("set either listen (senders connect to us) or connect (we dial out to the sender), "
+                             "not both" if self.listen is not None else
+                             "set listen (senders connect to us) or connect (we dial out to the sender)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together; set both or neither")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("tls_client_ca needs tls_cert and tls_key")
+        if self.connect is not None:
+            # A security setting is never silently ignored: a listener's keys mean nothing here.
+            # (Their defaults pass: check-config's output of this channel loads again.)
+            for key in ("tls_client_ca", "allowed_sources", "max_connections", "max_connections_per_source"):
+                default = type(self).model_fields[key].get_default(call_default_factory=True)
+                if getattr(self, key) != default:
+                    raise ValueError(f"{key} is for a listening channel; this channel dials out (connect)")
+            if self.tls_cert is not None and self.tls_server_ca is None:
+                raise ValueError("tls_cert/tls_key on an outbound channel are its client certificate: "
+                                 "set tls_server_ca too (TLS to the sender)")
+            if self.tls_server_name is not None and self.tls_server_ca is None:
+                raise ValueError("tls_server_name needs tls_server_ca")
+        else:
+            if self.tls_client_ca is not None and self.tls_cert is None:
+                raise ValueError("tls_client_ca needs tls_cert and tls_key")
+            for key in ("tls_server_ca", "tls_server_name"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key} is for an outbound channel (connect); this channel listens")
+        if self.reconnect_initial > self.reconnect_cap:
+            raise ValueError(f"reconnect_initial ({_human(self.reconnect_initial)}) must be <= reconnect_cap "
+                             f"({_human(self.reconnect_cap)})")
         return self
 
     @property
+    def outbound(self) -> bool:
+        """The channel dials out to its sender (``connect``) instead of listening."""
+        return self.connect is not None
+
+    @property
     def host(self) -> str:
-        """The listen host, IPv6 brackets removed."""
-        return parse_listen(self.listen, allow_port_zero=True)[0]
+        """The listen host (or the connect host), IPv6 brackets removed."""
+        return parse_listen(self.listen or self.connect or "", allow_port_zero=True)[0]
 
     @property
     def port(self) -> int:
-        return parse_listen(self.listen, allow_port_zero=True)[1]
+        return parse_listen(self.listen or self.connect or "", allow_port_zero=True)[1]
 
 
 _WILDCARDS = frozenset({"0.0.0.0", "::"})
@@ -472,6 +526,8 @@ class Settings(BaseSettings):
                     f"channels[{seen_names[channel.name]}]; channel names must be unique"
                 )
             seen_names[channel.name] = index
+            if channel.outbound:
+                continue  # binds nothing here
             address = (channel.host, channel.port)
             for other_index, other in seen_addrs:
                 if _addresses_clash(address, other):
