@@ -18,6 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.app.cli import build_parser
+from agent.app.config import ChannelSettings
+from agent.app.config.models import _SECTIONS
 from agent.runtime.metrics import AgentMetrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -198,3 +200,24 @@ def test_every_snake_case_name_on_a_page_exists_in_the_code() -> None:
                 if not name.startswith("hl7_agent_") and name not in CODE and name not in sql:
                     missing.append(f"{page.relative_to(REPO)}:{number}: {name}")
     assert not missing, missing
+
+
+#: ``section.word`` spans that are file names, not keys.
+_FILE_NAMES = {"queue.db", "agent.env", "agent.toml"}
+
+
+def test_every_section_dot_key_on_a_page_is_a_key() -> None:
+    """``queue.min_free_disk_bytes``, ``channels[].frame_timeout``, ``[queue] busy_timeout`` name real keys."""
+    models = {**_SECTIONS, "channels": ChannelSettings, "channels[]": ChannelSettings}
+    sections = "|".join(re.escape(name) for name in sorted(models, key=len, reverse=True))
+    wrong, seen = [], 0
+    for page in PAGES:
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            pairs = re.findall(rf"`({sections})\.([a-z_]+)`", line)
+            pairs += re.findall(rf"`\[({sections})\] ([a-z_]+)", line)
+            for section, key in pairs:
+                seen += 1
+                if f"{section}.{key}" not in _FILE_NAMES and key not in models[section].model_fields:
+                    wrong.append(f"{page.relative_to(REPO)}:{number}: {section}.{key}")
+    assert seen >= 50, "the pattern finds the keys the pages name"
+    assert not wrong, wrong
