@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 PAGES = [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md", REPO / "config" / "agent.example.toml"]
 CODE = "\n".join(path.read_text(encoding="utf-8") for path in sorted((REPO / "agent").rglob("*.py")))
 
-#: ``hl7-agent`` followed by a word that is not a command (prose). The user and
+#: ``hl7-agent`` followed by a word that is not a command (the example's title line). The user and
 #: container named hl7-agent (``sudo -u``, ``-g``, ``docker exec``) are skipped by the pattern.
-_NOT_COMMANDS = {"reads", "forwards", "accepts", "or", "runs", "over", "example", "version"}
+_NOT_COMMANDS = {"example"}
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -42,18 +42,36 @@ def _flags(parser: argparse.ArgumentParser) -> set[str]:
     return {flag for action in parser._actions for flag in action.option_strings}
 
 
-def _mentions() -> list[tuple[str, list[str]]]:
-    """(where, [command, subcommand?, flags...]) for each ``hl7-agent CMD ...`` on every page.
+def _command_text(page: Path) -> list[tuple[int, str]]:
+    """(line number, text) of what a page shows as code: fenced blocks whole, else code spans.
 
-    The words after ``hl7-agent`` up to the end of the code span or a shell
+    The example TOML is all comments and values: every line of it counts.
+    """
+    out: list[tuple[int, str]] = []
+    fenced = page.suffix != ".md"
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            out.append((number, line))
+        else:
+            out.extend((number, span) for span in re.findall(r"`([^`]+)`", line))
+    return out
+
+
+def _mentions() -> list[tuple[str, list[str]]]:
+    """(where, [command, subcommand?, flags...]) for each ``hl7-agent CMD ...`` shown as code.
+
+    The words after ``hl7-agent`` up to the end of the code or a shell
     operator: the leading lower-case words are the command, every ``--flag``
     after them (also inside ``[...]`` or ``(...)``, past placeholders such as
     ``ID...`` or ``S``) must be one the command takes.
     """
     found = []
     for page in PAGES:
-        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
-            for match in re.finditer(r"(?<!-u )(?<!-g )(?<!exec )(?<![\w/.-])hl7-agent ([^`]*)", line):
+        for number, text in _command_text(page):
+            for match in re.finditer(r"(?<!-u )(?<!-g )(?<!exec )(?<![\w/.-])hl7-agent ([^`]*)", text):
                 tokens = match.group(1).split()
                 words: list[str] = []
                 for raw in tokens:
@@ -197,7 +215,9 @@ def test_every_snake_case_name_on_a_page_exists_in_the_code() -> None:
             continue
         for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
             for name in re.findall(r"`([a-z][a-z0-9]*(?:_[a-z0-9]+)+)`", line):
-                if not name.startswith("hl7_agent_") and name not in CODE and name not in sql:
+                if name.startswith(("hl7_agent_", "test_")):
+                    continue  # metrics and tests: checked by the tests above and below
+                if name not in CODE and name not in sql:
                     missing.append(f"{page.relative_to(REPO)}:{number}: {name}")
     assert not missing, missing
 
@@ -221,3 +241,44 @@ def test_every_section_dot_key_on_a_page_is_a_key() -> None:
                     wrong.append(f"{page.relative_to(REPO)}:{number}: {section}.{key}")
     assert seen >= 50, "the pattern finds the keys the pages name"
     assert not wrong, wrong
+
+
+def _test_ids() -> tuple[set[str], set[str]]:
+    """(``path::[Class::]name`` of every test function, every test function's bare name)."""
+    import ast
+
+    ids: set[str] = set()
+    names: set[str] = set()
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:
+            scopes = [("", node)]
+            if isinstance(node, ast.ClassDef):
+                scopes = [(f"{node.name}::", child) for child in node.body]
+            for prefix, item in scopes:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name.startswith("test_"):
+                    ids.add(f"{rel}::{prefix}{item.name}")
+                    names.add(item.name)
+    return ids, names
+
+
+def test_every_test_a_page_cites_exists() -> None:
+    """The tests the docs point to as proof (``tests/x.py::Class::test_y``, ``test_y``, a module) exist.
+
+    docs/reliability.md, queue.md and acks.md say which test proves which
+    promise; a renamed or deleted test must not leave them pointing nowhere.
+    """
+    ids, names = _test_ids()
+    missing = []
+    for page in PAGES:
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            where = f"{page.relative_to(REPO)}:{number}"
+            for ref in re.findall(r"`(tests/[\w/]+\.py(?:::[\w:]+)?)`", line):
+                path = ref.split("::")[0]
+                if not (REPO / path).is_file() or ("::" in ref and ref not in ids):
+                    missing.append(f"{where}: {ref}")
+            for name in re.findall(r"`(test_[a-z0-9_]+)`", line):
+                if name not in names:
+                    missing.append(f"{where}: {name}")
+    assert not missing, missing
