@@ -61,3 +61,14 @@ def test_the_tool_comes_from_that_package(tool: str) -> None:
     if not owners:
         pytest.skip(f"{path} belongs to no Debian package here (installed otherwise)")
     assert TOOLS[tool] in owners, f"{path} comes from {sorted(owners)}, not {TOOLS[tool]}"
+
+
+def test_ci_runs_the_readmes_second_command() -> None:
+    """CI runs exactly what the README tells a developer to run (the script's comment says so)."""
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", readme, re.MULTILINE | re.DOTALL)
+    assert len(blocks) >= 2, "README.md has no second fenced block"
+    second = blocks[1].strip()
+    lines = [line for line in (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    assert lines[-1].strip() == second, f".ci/run ends with {lines[-1]!r}, the README says {second!r}"
