@@ -125,7 +125,6 @@ def test_every_documented_command_runs(tmp_path: Path) -> None:
     blocks = [b for path in DOCS for b in doc_blocks(path)]
     assert sum(len(b.commands) for b in blocks) >= 20, "the docs' blocks were not found"
     server = DevServerThread(decide=_decide).start()
-    server_running = True
     admin_port, adt_port, lab_port = free_port(), free_port(), free_port()
     data = tmp_path / "data"
     config = toml_config(
@@ -149,14 +148,6 @@ def test_every_documented_command_runs(tmp_path: Path) -> None:
                  30, interval=0.3, what="a failed, a rejected, two processed and a nacked row")
         failed_id, rejected_id = _row_id(env, "failed", "adt"), _row_id(env, "rejected", "lab")
         assert failed_id and rejected_id
-        # From here on the rows stay as the page's lines leave them: with the upstream gone, a
-        # row `queue retry` puts back stays queued until the page's `queue fail` sets it aside.
-        # (With the server still answering 503, the daemon re-sent and re-failed it first when
-        # the machine was slow, and `queue fail` found it "failed already".)
-        server.stop()
-        server_running = False
-        wait_for(lambda: daemon.has_event("upstream_disconnected") or daemon.has_event("upstream_connect_failed"),
-                 20, what="the daemon to see the upstream gone")
         substitutions = [
             (DOC_FAILED_ID, failed_id), (DOC_REJECTED_ID, rejected_id),
             (DOC_FAILED_ID[:8], failed_id[:8]),
@@ -176,8 +167,6 @@ def test_every_documented_command_runs(tmp_path: Path) -> None:
                 where = f"{block.doc} line {block.line}: {command}"
                 assert proc.returncode == 0, f"{where}\nexit {proc.returncode}\n{proc.stderr}{proc.stdout}"
                 if first_word is not None:
-                    for old, new in substitutions:  # the shown output names the page's example ids too
-                        first_word = first_word.replace(old, new)
                     assert proc.stdout.split()[:1] == [first_word], f"{where}\n{proc.stdout}"
 
         ran = 0
@@ -194,8 +183,7 @@ def test_every_documented_command_runs(tmp_path: Path) -> None:
         assert ran == sum(len(b.commands) for b in blocks)
     finally:
         daemon.kill()
-        if server_running:
-            server.stop()
+        server.stop()
 
 
 class TestBlockReader:
