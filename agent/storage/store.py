@@ -43,6 +43,7 @@ from agent.storage.rows import (
 )
 from agent.storage.store_intake import IntakeQueries
 from agent.storage.store_operator import OperatorQueries
+from agent.storage.store_partitions import PartitionQueries
 
 __all__ = [
     "FREE_PAGE_SLACK",
@@ -64,7 +65,7 @@ __all__ = [
 ]
 
 
-class SqliteStore(IntakeQueries, OperatorQueries):
+class SqliteStore(IntakeQueries, PartitionQueries, OperatorQueries):
     """All queue reads and writes, on one connection owned by one thread."""
 
 
