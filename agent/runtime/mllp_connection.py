@@ -49,6 +49,7 @@ from agent.core.intake_types import (
     Owed,
     RecordOutcome,
 )
+from agent.core.partition import PartitionKey
 from agent.storage.store import AuditItem, IntakeItem, SqliteStore
 from agent.storage.writer import Writer
 
@@ -80,8 +81,12 @@ def _submit(
     return writer.submit(lambda store: method(store, *args, **kwargs))
 
 
-def intake_item(channel: str, remote: str, message: NewMessage) -> IntakeItem:
-    """The row the store commits for ``message`` (received on ``channel`` from ``remote``)."""
+def intake_item(channel: str, remote: str, message: NewMessage, partition: PartitionKey | None = None) -> IntakeItem:
+    """The row the store commits for ``message`` (received on ``channel`` from ``remote``).
+
+    ``partition``: the channel's ``partition_key``; the row's key is read from
+    the decoded text (agent.core.partition), None on a channel without one.
+    """
     env = message.envelope
     return IntakeItem(
         channel=channel, remote=remote, sending_app=env.sending_app, sending_facility=env.sending_facility,
@@ -89,6 +94,7 @@ def intake_item(channel: str, remote: str, message: NewMessage) -> IntakeItem:
         ack_mode=message.ack_mode, accept_ack_type=env.accept_ack_type,
         application_ack_type=env.application_ack_type, commit_ack=message.commit_ack,
         received_at=message.received_at,
+        partition_key=partition.of(message.text) if partition is not None else None,
     )
 
 
@@ -320,7 +326,8 @@ class Connection(asyncio.Protocol):
         # One frame, one row today; HL7 batch frames (issue 10) commit theirs through
         # SqliteStore.intake_batch, all or none.
         (message,) = action.items
-        future = _submit(self.ctx.writer, SqliteStore.intake, intake_item(self.channel.name, self.remote, message))
+        future = _submit(self.ctx.writer, SqliteStore.intake, intake_item(self.channel.name, self.remote, message,
+                                                                         self.channel.partition))
         ticket = action.ticket
 
         def done(fut: concurrent.futures.Future[Any]) -> None:
