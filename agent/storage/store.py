@@ -43,7 +43,6 @@ from agent.storage.rows import (
 )
 from agent.storage.store_intake import IntakeQueries
 from agent.storage.store_operator import OperatorQueries
-from agent.storage.store_partitions import PartitionQueries
 
 __all__ = [
     "FREE_PAGE_SLACK",
@@ -65,7 +64,7 @@ __all__ = [
 ]
 
 
-class SqliteStore(IntakeQueries, PartitionQueries, OperatorQueries):
+class SqliteStore(IntakeQueries, OperatorQueries):
     """All queue reads and writes, on one connection owned by one thread."""
 
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from agent.core.partition import key_hash
+from agent.core.timefmt import rfc3339
 from agent.storage.rows import HeadRow
 from agent.storage.store_dispatch import DispatchQueries
 
-__all__ = ["BlockedPartition", "PartitionQueries", "UnkeyedRow"]
+__all__ = ["BlockedPartition", "PartitionQueries", "UnkeyedRow", "blocked_entry"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +110,22 @@ class PartitionQueries(DispatchQueries):
                 server_status=r["server_status"],
             ))
         return found[:limit]
+
+
+def blocked_entry(b: BlockedPartition, now: float) -> dict[str, Any]:
+    """A blocked partition in ``queue stats --json`` (docs/queue-stats.schema.json): never the key itself."""
+    return {
+        "key_hash": key_hash(b.partition_key),
+        "why": b.why,
+        "head_id": b.id,
+        "head_seq": b.seq,
+        "head_age_s": round(max(0.0, now - b.received_at), 3) if b.received_at is not None else None,
+        "depth": b.depth,
+        "attempts": b.attempts,
+        "next_attempt_in_s": (round(max(0.0, b.next_attempt_at - now), 3)
+                              if b.next_attempt_at is not None else None),
+        "error_code": b.error_code,
+        "server_status": b.server_status,
+        "paused_at": rfc3339(b.paused_at) if b.paused_at is not None else None,
+        "paused_reason": b.reason,
+    }

@@ -95,7 +95,7 @@ def intake(h: Harness, control_id: str, patient: str | None, *, keyed: bool = Tr
     result = h.tx(lambda s: s.intake(IntakeItem(
         channel=channel, remote="10.0.0.1:4000", sending_app="LAB", sending_facility="NORTH",
         control_id=control_id, message_type="ADT^A08", body=body, encoding="utf-8", ack_mode="commit",
-        partition_key=key)))
+        partition_key=key, received_at=h.clock())))
     assert result.outcome == "accepted"
     return result.message_id
 
@@ -261,3 +261,75 @@ def test_migration_is_additive(tmp_path: Path) -> None:
     assert conn.execute("SELECT partition_key FROM messages WHERE id = 'old'").fetchone() == (None,)
     assert isinstance(conn, sqlite3.Connection)
     conn.close()
+
+
+# -- what operators see: stats, the table, metrics, the status page ------------------
+
+
+class TestBlockedPartitionViews:
+    """Blocked keys are shown with their head, counts and ages, and a hash: never the key value."""
+
+    SECRET_A, SECRET_B = "MRN-SECRET-A", "MRN-SECRET-B"
+
+    def _blocked(self, h: Harness) -> tuple[str, str]:
+        a1 = intake(h, "C1", self.SECRET_A)
+        intake(h, "C2", self.SECRET_A)
+        b1 = intake(h, "C3", self.SECRET_B)
+        intake(h, "C4", "MRN-FLOWING")
+        attempt = h.send(a1)
+        assert h.tx(lambda s: s.requeue(h.holder, h.epoch, a1, attempt, h.clock() + 30, server_status=503,
+                                        error_code="503", error_text="transient status 503"))
+        h.tx(lambda s: s.pause_partition("adt", self.SECRET_B, f"rejected row {b1} (status 400)"))
+        h.clock.now += 5
+        return a1, b1
+
+    def test_stats_json(self, h: Harness) -> None:
+        from agent.core.partition import key_hash
+        from tests.integration.test_queue_cli import check_schema, load_schema
+
+        a1, b1 = self._blocked(h)
+        data = h.store.stats(["adt"])
+        entries = data["channels"]["adt"]["blocked_partitions"]
+        assert [(e["why"], e["head_id"], e["depth"], e["key_hash"]) for e in entries] == [
+            ("paused", b1, 1, key_hash(self.SECRET_B)), ("retrying", a1, 2, key_hash(self.SECRET_A))]
+        assert entries[1]["attempts"] == 1 and entries[1]["next_attempt_in_s"] == 25.0
+        assert entries[1]["head_age_s"] == 5.0 and entries[1]["server_status"] == 503
+        assert "SECRET" not in repr(data)
+        data["generated_at"] = "2026-01-01T00:00:00Z"
+        schema = load_schema()
+        check_schema(data, schema, schema)
+
+    def test_table(self, h: Harness) -> None:
+        from agent.app.commands.render import render_stats
+
+        self._blocked(h)
+        text = render_stats(h.store.stats(["adt"]), None, h.clock())
+        assert "blocked partitions" in text and "retrying" in text and "paused" in text
+        assert "SECRET" not in text
+
+    def test_metrics(self, h: Harness) -> None:
+        from agent.runtime.metrics import AgentMetrics
+
+        self._blocked(h)
+        stats = h.store.stats(["adt", "lab"])
+        metrics = AgentMetrics()
+        metrics.bind_stats(lambda: stats)
+        text = metrics.exposition().decode()
+        assert 'hl7_agent_partitions_blocked{channel="adt",why="retrying"} 1.0' in text
+        assert 'hl7_agent_partitions_blocked{channel="adt",why="paused"} 1.0' in text
+        assert 'hl7_agent_partitions_blocked{channel="lab",why="retrying"} 0.0' in text
+        assert 'hl7_agent_partition_blocked_head_age_seconds{channel="adt"} 5.0' in text
+        assert "SECRET" not in text
+
+    def test_status_page_assessment(self, h: Harness) -> None:
+        from agent.core.partition import key_hash
+        from agent.core.status import assess
+
+        a1, _ = self._blocked(h)
+        view = assess(stats=h.store.stats(["adt"]), activity=None, upstream=None, lease_held=True,
+                      listeners_up=True, now=h.clock())
+        (channel,) = [c for c in view["channels"] if c["name"] == "adt"]
+        assert channel["blocked_partitions"] == 2
+        detail = " ".join(channel["detail"])
+        assert f"partition {key_hash(self.SECRET_A)} retrying" in detail and a1 in detail
+        assert "the other partitions go on" in detail and "SECRET" not in repr(view)

@@ -208,6 +208,17 @@ def render_stats(data: dict[str, Any], lease_row: LeaseRow | None, now: float) -
         out.append(table(headers, rows, right=range(1, 7)))
     else:
         out.append("no channels\n")
+    blocked = [(name, b) for name, c in data["channels"].items() for b in c.get("blocked_partitions", ())]
+    if blocked:
+        out.append("blocked partitions (a key by its hash; the other keys go on)")
+        out.append(table(
+            ["channel", "key", "why", "head", "seq", "rows", "head age", "attempts", "next try / reason"],
+            [[name, b["key_hash"], b["why"], b["head_id"] or "-", b["head_seq"] or "-", b["depth"],
+              compact_duration(b["head_age_s"]), b["attempts"],
+              compact_duration(b["next_attempt_in_s"]) if b["why"] == "retrying" else (b["paused_reason"] or "")]
+             for name, b in blocked],
+            right=(4, 5, 7),
+        ))
     return "\n".join(out)
 
 
