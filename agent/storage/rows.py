@@ -212,6 +212,7 @@ class ListedRow:
     body: bytes | None
     error_text: str | None = None
     server_reason: str | None = None
+    partition_key: str | None = None  # shown as its hash only (patient data)
 
     def __post_init__(self) -> None:
         _as_state(self)

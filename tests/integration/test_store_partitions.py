@@ -333,3 +333,16 @@ class TestBlockedPartitionViews:
         detail = " ".join(channel["detail"])
         assert f"partition {key_hash(self.SECRET_A)} retrying" in detail and a1 in detail
         assert "the other partitions go on" in detail and "SECRET" not in repr(view)
+
+    def test_queue_list_names_the_partition_by_hash(self, h: Harness) -> None:
+        from agent.app.commands.render import list_item
+        from agent.core.partition import key_hash
+        from agent.storage.rows import RowFilter
+
+        self._blocked(h)
+        intake(h, "C9", "MRN-X", keyed=False, channel="lab")
+        items = [list_item(r, show_body=False) for r in h.store.list_rows(RowFilter(limit=0))]
+        by_control = {i["control_id"]: i["partition"] for i in items}
+        assert by_control["C1"] == by_control["C2"] == key_hash(self.SECRET_A)
+        assert by_control["C9"] is None
+        assert "SECRET" not in repr(items)

@@ -26,6 +26,7 @@ from agent.app.commands.tables import (
     table,
     table_lines,
 )
+from agent.core.partition import key_hash
 from agent.core.states import ALL, DEPTH, PURGEABLE, State
 from agent.core.timefmt import compact_duration, human_bytes, rfc3339
 from agent.storage.rows import ChannelFlags, LeaseRow, ListedRow, StateCount, StoredRow
@@ -233,6 +234,7 @@ def list_item(row: ListedRow, *, show_body: bool) -> dict[str, Any]:
         "received_at": ts(row.received_at), "error_code": row.error_code, "remote": row.remote,
         "updated_at": ts(row.updated_at), "error_text": row.error_text,
         "server_reason": row.server_reason,
+        "partition": key_hash(row.partition_key) if row.partition_key is not None else None,
     }  # fmt: skip
     if show_body:
         item["encoding"] = row.encoding
