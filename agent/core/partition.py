@@ -6,7 +6,7 @@ is the value at each path, unescaped, joined by U+001F (the ASCII unit
 separator); an absent field gives an empty part, and a message where every
 path is absent has the key ``""`` (docs/queue.md#partitioned-channels).
 
-The path syntax (docs/configuration.md#partition_key)::
+The path syntax (docs/configuration.md#partitioned-channels)::
 
     SEG-F[R].C.S     SEG  a segment id: three upper-case letters or digits (Z-segments too);
                           the first segment of that id in the message
