@@ -17,6 +17,7 @@ import pytest
 from agent.core.partition import parse_partition_key
 from agent.core.states import State
 from agent.storage import sqlite as db
+from agent.storage.rows import RowFilter
 from agent.storage.store import IntakeItem, LeaseHolder, SqliteStore
 
 T = TypeVar("T")
@@ -105,7 +106,7 @@ class TestKeyStored:
         a = intake(h, "C1", "P1")
         b = intake(h, "C2", None)
         c = intake(h, "C3", "P9", keyed=False)
-        keys = dict(h.store.conn.execute("SELECT id, partition_key FROM messages").fetchall())
+        keys = {r.id: r.partition_key for r in h.store.list_rows(RowFilter(limit=0))}
         assert keys == {a: "P1", b: "", c: None}
 
 
@@ -337,7 +338,6 @@ class TestBlockedPartitionViews:
     def test_queue_list_names_the_partition_by_hash(self, h: Harness) -> None:
         from agent.app.commands.render import list_item
         from agent.core.partition import key_hash
-        from agent.storage.rows import RowFilter
 
         self._blocked(h)
         intake(h, "C9", "MRN-X", keyed=False, channel="lab")
