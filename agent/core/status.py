@@ -198,6 +198,11 @@ def _channel(name: str, counts: Mapping[str, Any], activity: Mapping[str, Any] |
         return result(ChannelState.UPSTREAM_DOWN, f"upstream down — {_waiting(depth)}")
     if upstream == UpstreamState.NO_LEASE and depth:
         return blocked("no lease", "no process holds the dispatch lease")
+    if facts["blocked_partitions"] and depth:
+        # A partitioned channel: blocked keys wait, the other keys go on.
+        n = facts["blocked_partitions"]
+        return result(ChannelState.RETRYING,
+                      f"{n} partition{'s' if n != 1 else ''} blocked, the others go on — {_waiting(depth)}")
     if head and retrying:
         attempt = facts["attempt"]
         if facts["next_try_in_s"] is not None:

@@ -334,6 +334,8 @@ class TestBlockedPartitionViews:
         detail = " ".join(channel["detail"])
         assert f"partition {key_hash(self.SECRET_A)} retrying" in detail and a1 in detail
         assert "the other partitions go on" in detail and "SECRET" not in repr(view)
+        assert channel["state"] == "retrying"
+        assert channel["text"] == "2 partitions blocked, the others go on — 4 waiting"
 
     def test_queue_list_names_the_partition_by_hash(self, h: Harness) -> None:
         from agent.app.commands.render import list_item
