@@ -149,14 +149,19 @@ class IntakeQueries(StoreBase):
             "partition_key": item.partition_key,
         })
         if item.control_id:
-            self.conn.execute(self.q["dedupe_upsert"], {
+            keyed = self.conn.execute(self.q["dedupe_upsert"], {
                 **k.key,
                 "body_sha256": k.sha,
                 "message_id": message_id,
                 "ack_mode": item.ack_mode,
                 "commit_ack": item.commit_ack,
                 "expires_at": now + self.dedupe_window,
+                "now": now,
             })
+            if keyed.rowcount != 1:
+                # The key's unique constraint met a live key the lookup did not
+                # see (another process's intake): never a second row for it.
+                raise StorageError("dedupe key taken by a concurrent intake; resend")
         return IntakeResult(outcome="accepted", message_id=message_id, seq=seq, ack_mode=item.ack_mode)
 
     def record_audit(self, item: AuditItem) -> str:

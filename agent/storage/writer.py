@@ -1,6 +1,9 @@
 """One writer thread, group commit; one reader thread for polling and stats.
 
-SQLite is synchronous and allows one writer at a time. The event loop never
+The same on every backend (the store's dialect does what differs). SQLite is
+synchronous and allows one writer at a time; on PostgreSQL each write
+transaction takes one lock the same way, and group commit shares a commit
+(and its WAL flush) among several senders just as well. The event loop never
 waits on it: callers ``await writer.call(SqliteStore.method, …)``; the thread
 takes every job waiting, runs them in one write transaction (each in its own
 SAVEPOINT so a failing job does not sink the batch) and resolves the futures
@@ -113,10 +116,6 @@ class Writer:
         """
         return await asyncio.wrap_future(self.submit(method, *args, **kwargs))
 
-    async def run(self, fn: Callable[[SqliteStore], T]) -> T:
-        """Run ``fn(store)`` in the next committed batch; prefer :meth:`call` (it names the method)."""
-        return await asyncio.wrap_future(self.submit(fn))
-
     def close(self, timeout: float = 10.0) -> None:
         """Finish every queued job, then stop the thread and close the connection."""
         if self._closed:
@@ -166,16 +165,21 @@ class Writer:
 
     def _run_batch(self, batch: list[_Job]) -> None:
         store = self.store
-        conn, dialect = store.conn, store.dialect
+        dialect = store.dialect
         try:
-            dialect.begin_write(conn)
+            # On a database server the connection may have been lost since the
+            # last batch: the store opens it again first (or fails at once).
+            conn = store.begin_write()
+        except StorageError as exc:
+            self._fail_all(batch, exc)
+            return
         except dialect.Error as exc:
             self._fail_all(batch, dialect.storage_error(exc))
             return
         # Intake measures free disk space once per batch, not on a timer: a
         # burst cannot outrun the check and eat the reserve dispatch needs.
         self.store.begin_batch()
-        changes = conn.total_changes
+        changes = dialect.changes(conn)
         outcomes: list[tuple[bool, Any]] = []
         for index, job in enumerate(batch):
             savepoint = f"job{index}"
@@ -189,9 +193,10 @@ class Writer:
                 if isinstance(exc, dialect.Error):
                     exc = dialect.storage_error(exc)
                 outcomes.append((False, exc))
-                if isinstance(exc, StorageError) and not conn.in_transaction:
-                    # SQLite rolled the whole transaction back (e.g. disk I/O
-                    # error): nothing of this batch is committed.
+                if isinstance(exc, StorageError) and not dialect.in_transaction(conn):
+                    # The whole transaction is gone (SQLite rolled it back after
+                    # a disk I/O error; the server connection was lost): nothing
+                    # of this batch is committed.
                     self._fail_all(batch, exc)
                     return
         try:
@@ -201,7 +206,7 @@ class Writer:
             self._fail_all(batch, dialect.storage_error(exc))
             return
         self.batches += 1
-        if conn.total_changes != changes:
+        if dialect.changes(conn) != changes:
             self.last_write = time.monotonic()
         for job, (ok, value) in zip(batch, outcomes, strict=True):
             if job.future.set_running_or_notify_cancel():
@@ -241,6 +246,7 @@ class Reader:
         store = self.store
         with self._lock:
             try:
+                store.connection()  # a connection lost since the last read is opened again
                 return method(store, *args, **kwargs)
             except store.dialect.Error as exc:
                 raise store.dialect.storage_error(exc) from exc
@@ -251,11 +257,6 @@ class Reader:
         """Run one store read on the reader thread: ``await reader.call(SqliteStore.channel_head, name)``."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._blocking, _bind(method, *args, **kwargs))
-
-    async def run(self, fn: Callable[[SqliteStore], T]) -> T:
-        """Run ``fn(store)`` on the reader thread; prefer :meth:`call` (it names the method)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._blocking, fn)
 
     def _blocking(self, fn: Callable[[SqliteStore], T]) -> T:
         return self.call_blocking(fn)

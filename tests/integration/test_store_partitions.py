@@ -74,11 +74,32 @@ def _sqlite(tmp_path: Path) -> Iterator[Harness]:
         conn.close()
 
 
-@pytest.fixture(params=["sqlite"])
+def _postgres(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
+    """A schema of its own on the session's PostgreSQL server; the lease on the server's clock
+    plus how far the test moved its clock (the dialect's test seam)."""
+    from agent.storage import postgres
+    from agent.storage.sql import load_queries
+
+    database = request.getfixturevalue("pg_database")
+    clock = Clock()
+    start = clock.now
+    dialect = postgres.PostgresDialect(postgres.PgOptions(dsn=database.dsn, agent_id="partition-agent"),
+                                       role="writer", lease_skew=lambda: clock.now - start)
+    conn = postgres.open_database(dialect, "partition-agent", clock())
+    store = SqliteStore(conn, load_queries("postgresql"), db_path=tmp_path / "unused", clock=clock,
+                        dialect=dialect)
+    try:
+        yield Harness(store, clock)
+    finally:
+        store.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
 def h(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
     """A migrated store holding the lease; parametrised by backend."""
     me = replace(LeaseHolder.for_this_process("partition-agent"), holder="me")
-    for harness in _sqlite(tmp_path):
+    backend = _sqlite(tmp_path) if request.param == "sqlite" else _postgres(request, tmp_path)
+    for harness in backend:
         epoch = harness.tx(lambda s: s.try_acquire_lease(me, 30.0))
         assert epoch is not None
         harness.holder, harness.epoch = "me", epoch
@@ -252,6 +273,31 @@ class TestQueryPlanSqlite:
         assert elapsed < 0.5, elapsed
 
 
+class TestQueryPlanPostgres:
+    """The same queries on PostgreSQL, with a backlog and fresh statistics: index scans, no
+    sequential scan of messages."""
+
+    def test_plans(self, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+        for h in _postgres(request, tmp_path):
+            conn = h.store.conn
+            with h.store.transaction():
+                conn.execute(
+                    "INSERT INTO messages (id, channel, seq, state, remote, body, body_sha256, received_at,"
+                    " updated_at, partition_key) SELECT 'id' || g, 'adt', g, 'queued', 'r', '\\x00'::bytea,"
+                    " 'h', 0, 0, 'P' || (g % 500) FROM generate_series(1, 20000) AS g")
+            conn.execute("ANALYZE messages")
+            for name, params in [
+                ("partition_heads", {"channel": "adt", "now": 1.0, "limit": 8}),
+                ("partition_claimable", {"id": "id1"}),
+                ("partition_retrying", {"now": 1.0, "limit": 10}),
+                ("partition_unkeyed", {"channel": "adt", "limit": 5}),
+            ]:
+                rows = conn.execute("EXPLAIN " + h.store.q[name], params).fetchall()
+                plan = "\n".join(str(r[0] if not isinstance(r, dict) else next(iter(r.values()))) for r in rows)
+                assert "Seq Scan on messages" not in plan, (name, plan)
+                assert "messages_" in plan, (name, plan)
+
+
 def test_migration_is_additive(tmp_path: Path) -> None:
     """A schema-v2 agent's insert (explicit columns, no partition_key) still works: the key is NULL."""
     path = tmp_path / "q.db"
@@ -315,7 +361,7 @@ class TestBlockedPartitionViews:
         stats = h.store.stats(["adt", "lab"])
         metrics = AgentMetrics()
         metrics.bind_stats(lambda: stats)
-        text = metrics.exposition().decode()
+        text = metrics.exposition_for(None)[0].decode()
         assert 'hl7_agent_partitions_blocked{channel="adt",why="retrying"} 1.0' in text
         assert 'hl7_agent_partitions_blocked{channel="adt",why="paused"} 1.0' in text
         assert 'hl7_agent_partitions_blocked{channel="lab",why="retrying"} 0.0' in text
