@@ -18,6 +18,7 @@ from agenttest import until
 from agent.app.devserver import Answer, default_answer
 from agent.core.partition import key_hash
 from agent.core.protocol import Transmit
+from agent.storage.store import SqliteStore
 from tests.agenttest import ack_code, hl7_message
 from tests.integration.test_dispatch import (
     agent_running,
@@ -150,7 +151,7 @@ class TestBlockedKeys:
                     pat0 = [t for t in server.received if t.partition == "PAT0"]
                     assert {t.control_id for t in pat0} == {plan[0][0]}, "PAT0 went on past its head"
                     assert len(pat0) >= 2  # retried, not given up
-                    view = await agent.reader.call(type(agent.reader.store).blocked_partitions, time.time() - 60)
+                    view = await agent.reader.call(SqliteStore.blocked_partitions, time.time() - 60)
                     assert [(b.why, b.depth) for b in view] == [("retrying", PER_PATIENT)]
                     recorder.released.set()
                     await until(lambda: rows(agent, "SELECT count(*) FROM messages WHERE state = 'processed'")
@@ -182,7 +183,7 @@ class TestBlockedKeys:
                     assert rows(agent, "SELECT paused FROM channels WHERE channel = 'adt'") == [(0,)]
                     paused = rows(agent, "SELECT partition_key, reason FROM partition_pauses")
                     assert [p[0] for p in paused] == ["PAT0"] and "rejected row" in paused[0][1]
-                    await agent.writer.run(lambda st: st.resume_channel("adt"))
+                    await agent.writer.call(SqliteStore.resume_channel, "adt")
                     await until(lambda: rows(agent, "SELECT count(*) FROM messages WHERE state = 'processed'")
                                 == [(len(plan) - 1,)], 30, "PAT0 delivered after resume")
                     pat0 = [t.control_id for t in server.received if t.partition == "PAT0"]
