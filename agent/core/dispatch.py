@@ -116,6 +116,8 @@ class Row(Protocol):
     def ack_mode(self) -> str: ...
     @property
     def redrive_base(self) -> int: ...
+    @property
+    def partition_key(self) -> str | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +142,9 @@ class ChannelPolicy:
     #: Rows of this channel in flight at once (partitioned channels raise it).
     max_in_flight: int = 1
     paused: bool = False
+    #: Order per partition key (docs/queue.md#partitioned-channels): transmits name
+    #: the key, and ``on_reject = "pause"`` pauses the row's key, not the channel.
+    partitioned: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,10 +206,14 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class Pause:
-    """Set the channel's durable pause flag in the same commit (``on_reject = "pause"``)."""
+    """Set the channel's durable pause flag in the same commit (``on_reject = "pause"``).
+
+    ``partition``: on a partitioned channel, the key to pause instead (the channel goes on).
+    """
 
     channel: str
     reason: str
+    partition: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +314,7 @@ def build_transmit(row: Row, policy: ChannelPolicy, attempt: int) -> Transmit:
         remote=row.remote,
         body=text,
         encoding=row.encoding,
+        partition=row.partition_key if policy.partitioned else None,
     )
 
 
@@ -421,7 +431,7 @@ def on_response(
         return Settle(row.id, attempt, State.PROCESSED, response, app_ack,
                       note=Note.of("info", "message_processed", status=status, attempt=attempt),
                       stale=_stale(attempt), notes=notes)
-    pause = (Pause(policy.name, f"rejected row {row.id} (status {status})")
+    pause = (_pause(row, policy, f"rejected row {row.id} (status {status})")
              if policy.on_reject == "pause" else None)
     return Settle(row.id, attempt, State.REJECTED, response, app_ack, error_code=str(status),
                   error_text=f"rejected by server (status {status})", server_reason=reason, pause=pause,
@@ -498,13 +508,19 @@ def too_big_victim(in_flight: Iterable[tuple[str, int]]) -> str | None:
 def _give_up(row: Row, attempt: int, state: State, code: str, text: str, policy: ChannelPolicy,
              *, server_reason: str | None = None) -> GiveUp:
     app_ack, notes = _application_ack(row, GIVE_UP_STATUS, None)
-    pause = Pause(policy.name, f"{state} row {row.id}: {text}") if policy.on_reject == "pause" else None
+    pause = _pause(row, policy, f"{state} row {row.id}: {text}") if policy.on_reject == "pause" else None
     # message_failed; a row the agent cannot send (too big, undecodable) is
     # message_unsendable, not message_rejected: that names intake's rejects.
     event = "message_failed" if state is State.FAILED else "message_unsendable"
     return GiveUp(row.id, attempt, state, code, text, app_ack, pause,
                   note=Note.of("warning", event, error_code=code, reason=text), notes=notes,
                   server_reason=server_reason)
+
+
+def _pause(row: Row, policy: ChannelPolicy, reason: str) -> Pause:
+    """The channel's pause; on a partitioned channel the row's key only (a NULL key: the channel)."""
+    key = row.partition_key if policy.partitioned else None
+    return Pause(policy.name, reason, partition=key)
 
 
 def with_attempt(send: Send, attempt: int) -> Transmit:

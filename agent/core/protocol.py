@@ -119,8 +119,11 @@ class Transmit:
     remote: str
     body: str
     encoding: str
+    #: The row's partition key on a partitioned channel (order is kept per key); None: not sent.
+    partition: str | None = None
 
     def to_json(self) -> str:
+        extra = {} if self.partition is None else {"partition": self.partition}
         return _dumps(
             {
                 "type": "transmit",
@@ -134,6 +137,7 @@ class Transmit:
                 "remote": self.remote,
                 "body": self.body,
                 "encoding": self.encoding,
+                **extra,
             }
         )
 
@@ -305,6 +309,7 @@ def _transmit(obj: Mapping[str, Any]) -> Transmit:
         remote=_str(obj, "remote", k),
         body=_str(obj, "body", k),
         encoding=_str(obj, "encoding", k),
+        partition=_str(obj, "partition", k) if "partition" in obj else None,
     )
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "ACK_OUTCOMES",
     "ALL",
     "DEPTH",
+    "IN_FLIGHT",
     "LIVE",
     "PURGEABLE",
     "REDRIVABLE",
@@ -74,6 +75,8 @@ RETAINED = (State.PROCESSED, State.REJECTED, State.NACKED)
 REDRIVABLE = (State.FAILED, State.REJECTED)
 #: What counts as a channel's depth (its backlog).
 DEPTH = (State.QUEUED, State.CLAIMED, State.INFLIGHT)
+#: Taken by the dispatcher: on a partitioned channel, a key with one of these has its turn.
+IN_FLIGHT = frozenset({State.CLAIMED, State.INFLIGHT})
 
 
 @dataclass(frozen=True)

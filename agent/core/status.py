@@ -164,7 +164,7 @@ def _channel(name: str, counts: Mapping[str, Any], activity: Mapping[str, Any] |
         "paused_for_s": _age(now, paused_at),
         "paused_reason": act.get("paused_reason"),
     }
-    detail: list[str] = []
+    detail: list[str] = _partition_details(counts.get("blocked_partitions") or (), facts)
     retrying = bool(head and head.get("error_code") is not None
                     and int(head.get("attempts") or 0) > int(head.get("redrive_base") or 0))
     if head and retrying:
@@ -198,6 +198,11 @@ def _channel(name: str, counts: Mapping[str, Any], activity: Mapping[str, Any] |
         return result(ChannelState.UPSTREAM_DOWN, f"upstream down — {_waiting(depth)}")
     if upstream == UpstreamState.NO_LEASE and depth:
         return blocked("no lease", "no process holds the dispatch lease")
+    if facts["blocked_partitions"] and depth:
+        # A partitioned channel: blocked keys wait, the other keys go on.
+        n = facts["blocked_partitions"]
+        return result(ChannelState.RETRYING,
+                      f"{n} partition{'s' if n != 1 else ''} blocked, the others go on — {_waiting(depth)}")
     if head and retrying:
         attempt = facts["attempt"]
         if facts["next_try_in_s"] is not None:
@@ -223,6 +228,26 @@ def _channel(name: str, counts: Mapping[str, Any], activity: Mapping[str, Any] |
             return blocked("no progress", f"the head has not moved for {human_duration(oldest)}")
         return result(ChannelState.FLOWING, f"flowing — {_waiting(depth)}")
     return result(ChannelState.IDLE, "idle — nothing waiting")
+
+
+#: Blocked partitions named one by one on the page; the rest are counted.
+PARTITIONS_SHOWN = 5
+
+
+def _partition_details(blocked: Sequence[Mapping[str, Any]], facts: dict[str, Any]) -> list[str]:
+    """A partitioned channel's blocked keys, by hash (the value is patient data): the rest go on."""
+    facts["blocked_partitions"] = len(blocked)
+    lines = []
+    for b in blocked[:PARTITIONS_SHOWN]:
+        rows = int(b.get("depth") or 0)
+        what = (f"retrying (attempt {b.get('attempts')}, next try in "
+                f"{human_duration(float(b.get('next_attempt_in_s') or 0))})"
+                if b.get("why") == "retrying" else f"paused ({b.get('paused_reason') or 'on_reject'})")
+        lines.append(f"partition {b.get('key_hash')} {what}: {rows} row{'s' if rows != 1 else ''} waiting, "
+                     f"head {b.get('head_id')}; the other partitions go on")
+    if len(blocked) > PARTITIONS_SHOWN:
+        lines.append(f"{len(blocked) - PARTITIONS_SHOWN} more partitions blocked: `hl7-agent queue stats`")
+    return lines
 
 
 def _outbound(info: Mapping[str, Any], now: float) -> tuple[str, bool]:

@@ -8,8 +8,10 @@ the writer thread (the functions below: one transition each, with the pause
 flag of ``on_reject = "pause"`` in the same commit), fenced on the tenure's
 epoch (the store raises LeaseLost when the fence fails; it ends the tenure).
 
-Strict FIFO today: one row of the channel in flight, the next is not sent
-before it settled (docs/protocol.md#ordering-per-channel).
+Strict FIFO: one row of the channel in flight, the next is not sent before
+it settled (docs/protocol.md#ordering-per-channel). A partitioned channel
+runs agent.runtime.partition_worker.PartitionWorker instead, which reuses
+the send and apply steps below for several rows of different keys.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from agent.core.dispatch import (
     GiveUp,
     KeepInflight,
     Loss,
+    Pause,
     Requeue,
     Send,
     SessionFacts,
@@ -78,8 +81,16 @@ def _settle(store: SqliteStore, holder: str, epoch: int, a: Settle) -> bool:
         error_code=a.error_code, error_text=a.error_text, server_reason=a.server_reason,
     )
     if done and a.pause is not None:
-        store.pause_channel(a.pause.channel, a.pause.reason)
+        _pause(store, a.pause)
     return done
+
+
+def _pause(store: SqliteStore, pause: Pause) -> None:
+    """``on_reject = "pause"``: the channel, or on a partitioned channel the row's key only."""
+    if pause.partition is not None:
+        store.pause_partition(pause.channel, pause.partition, pause.reason)
+    else:
+        store.pause_channel(pause.channel, pause.reason)
 
 
 def _give_up(store: SqliteStore, holder: str, epoch: int, a: GiveUp) -> bool:
@@ -88,7 +99,7 @@ def _give_up(store: SqliteStore, holder: str, epoch: int, a: GiveUp) -> bool:
                            error_code=a.error_code, error_text=a.error_text, app_ack=a.app_ack,
                            server_reason=a.server_reason)
     if done and a.pause is not None:
-        store.pause_channel(a.pause.channel, a.pause.reason)
+        _pause(store, a.pause)
     return done
 
 

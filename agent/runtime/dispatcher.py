@@ -42,6 +42,7 @@ from agent.core.retry import backoff
 from agent.errors import LeaseLost, StorageError
 from agent.runtime.aio import cancel_and_wait, wait_event
 from agent.runtime.channel_worker import ChannelWorker, DispatchContext
+from agent.runtime.partition_worker import PartitionWorker
 from agent.runtime.relay import AckRelay
 from agent.runtime.upstream import LinkSettings, UpstreamLink
 from agent.storage.store import LeaseHolder, SqliteStore
@@ -87,6 +88,8 @@ def channel_policy(channel: ChannelSettings, settings: Settings, *, paused: bool
         assign_sequence_numbers=channel.assign_sequence_numbers,
         retry=RetryPolicy(initial=d.retry_initial, cap=d.retry_cap),
         paused=paused,
+        max_in_flight=channel.max_in_flight,
+        partitioned=channel.partition_key is not None,
     )
 
 
@@ -310,9 +313,16 @@ class Dispatcher:
             group.create_task(self._heartbeat(tenure), name="lease-heartbeat")
             group.create_task(self._watch_tenure(tenure, link), name="lease-watch")
             for channel in self.settings.channels:
-                worker = ChannelWorker(self._ctx, self._policies[channel.name], epoch, link,
-                                       self._wake[channel.name], idle_poll=IDLE_POLL_SECONDS, log=self.log)
+                worker = self._worker(channel, epoch, link)
                 group.create_task(worker.run(), name=f"dispatch-{channel.name}")
+
+    def _worker(self, channel: ChannelSettings, epoch: int, link: UpstreamLink) -> ChannelWorker:
+        """The strict worker, or the partitioned one for a channel with ``partition_key``."""
+        args = (self._ctx, self._policies[channel.name], epoch, link, self._wake[channel.name])
+        key = channel.partition
+        if key is not None:
+            return PartitionWorker(*args, key=key, idle_poll=IDLE_POLL_SECONDS, log=self.log)
+        return ChannelWorker(*args, idle_poll=IDLE_POLL_SECONDS, log=self.log)
 
     async def _heartbeat(self, tenure: _Tenure) -> None:
         d = self.settings.dispatch

@@ -152,6 +152,17 @@ def _families(data: Mapping[str, Any] | None = None) -> Iterator[GaugeMetricFami
         "1 when the channel's durable pause flag is set (dispatch holds, intake goes on).",
         labels=["channel"],
     )
+    blocked = GaugeMetricFamily(
+        "hl7_agent_partitions_blocked",
+        "Keys of a partitioned channel that cannot go on by themselves, by why (retrying/paused);"
+        " the other keys go on.",
+        labels=["channel", "why"],
+    )
+    blocked_age = GaugeMetricFamily(
+        "hl7_agent_partition_blocked_head_age_seconds",
+        "Age of the oldest head among a partitioned channel's blocked keys; 0 when none is blocked.",
+        labels=["channel"],
+    )
     db_size = GaugeMetricFamily("hl7_agent_db_size_bytes", "Size of the queue database file.")
     wal_size = GaugeMetricFamily(
         "hl7_agent_wal_size_bytes", "Size of the queue database's WAL file."
@@ -164,12 +175,17 @@ def _families(data: Mapping[str, Any] | None = None) -> Iterator[GaugeMetricFami
                 depth.add_metric([str(channel), state], _num(row.get(state)))
             oldest.add_metric([str(channel)], _num(row.get("oldest_queued_age_s")))
             paused.add_metric([str(channel)], _num(bool(row.get("paused"))))
+            # Only counts and ages: key values are patient data, never a label.
+            keys = row.get("blocked_partitions") or ()
+            for why in ("retrying", "paused"):
+                blocked.add_metric([str(channel), why], float(sum(1 for b in keys if b["why"] == why)))
+            blocked_age.add_metric([str(channel)], max((_num(b.get("head_age_s")) for b in keys), default=0.0))
         db = data.get("db") or {}
         if db.get("size_bytes") is not None:
             db_size.add_metric([], _num(db["size_bytes"]))
         if db.get("wal_bytes") is not None:
             wal_size.add_metric([], _num(db["wal_bytes"]))
-    yield from (depth, messages, oldest, paused, db_size, wal_size)
+    yield from (depth, messages, oldest, paused, blocked, blocked_age, db_size, wal_size)
 
 
 class AgentMetrics:

@@ -53,6 +53,7 @@ from agent.core.intake_types import (
     Owed,
     RecordOutcome,
 )
+from agent.core.partition import PartitionKey
 from agent.storage.store import AuditItem, IntakeItem, SqliteStore
 from agent.storage.writer import Writer
 
@@ -86,8 +87,12 @@ def _submit(
     return writer.submit(lambda store: method(store, *args, **kwargs))
 
 
-def intake_item(channel: str, remote: str, message: NewMessage) -> IntakeItem:
-    """The row the store commits for ``message`` (received on ``channel`` from ``remote``)."""
+def intake_item(channel: str, remote: str, message: NewMessage, partition: PartitionKey | None = None) -> IntakeItem:
+    """The row the store commits for ``message`` (received on ``channel`` from ``remote``).
+
+    ``partition``: the channel's ``partition_key``; the row's key is read from
+    the decoded text (agent.core.partition), None on a channel without one.
+    """
     env = message.envelope
     return IntakeItem(
         channel=channel, remote=remote, sending_app=env.sending_app, sending_facility=env.sending_facility,
@@ -95,6 +100,7 @@ def intake_item(channel: str, remote: str, message: NewMessage) -> IntakeItem:
         ack_mode=message.ack_mode, accept_ack_type=env.accept_ack_type,
         application_ack_type=env.application_ack_type, commit_ack=message.commit_ack,
         received_at=message.received_at,
+        partition_key=partition.of(message.text) if partition is not None else None,
     )
 
 
@@ -338,7 +344,8 @@ class Connection(asyncio.Protocol):
 
     def _commit(self, action: Commit) -> None:
         # One frame, one row; an HL7 batch frame commits its members together, all or none.
-        items = [intake_item(self.channel.name, self.remote, message) for message in action.items]
+        partition = self.channel.partition
+        items = [intake_item(self.channel.name, self.remote, message, partition) for message in action.items]
         future: concurrent.futures.Future[Any]
         if len(items) == 1:
             future = _submit(self.ctx.writer, SqliteStore.intake, items[0])

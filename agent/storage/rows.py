@@ -89,8 +89,8 @@ class IntakeItem:
     application_ack_type: str = ""
     commit_ack: bytes | None = None  # the accept ACK to send (None: not owed)
     received_at: float = field(default_factory=time.time)
-    #: The ordering key inside a channel (not stored yet: the partitioned-channels step adds it).
-    partition_key: str = ""
+    #: The row's key on a partitioned channel (agent.core.partition); None on other channels.
+    partition_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,8 @@ class HeadRow:
     received_at: float
     ack_mode: AckMode
     redrive_base: int = 0
+    #: The row's key on a partitioned channel (None: not partitioned, or not computed yet).
+    partition_key: str | None = None
 
     def __post_init__(self) -> None:
         _as_state(self)
@@ -214,6 +216,7 @@ class ListedRow:
     body: bytes | None
     error_text: str | None = None
     server_reason: str | None = None
+    partition_key: str | None = None  # shown as its hash only (patient data)
 
     def __post_init__(self) -> None:
         _as_state(self)

@@ -17,7 +17,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent.core.states import LIVE, PURGEABLE, REDRIVABLE, RETAINED, SETTLED, Event, State
+from agent.core.states import (
+    IN_FLIGHT,
+    LIVE,
+    PURGEABLE,
+    REDRIVABLE,
+    RETAINED,
+    SETTLED,
+    Event,
+    State,
+)
 from agent.storage.dialect import Dialect, Failure
 from agent.storage.maintenance import Space
 from agent.storage.rows import ResultRow, build
@@ -57,6 +66,12 @@ GROUP_QUERIES: dict[str, frozenset[State]] = {
     "status_head": frozenset(LIVE),
     "status_last_settled": frozenset(SETTLED),
     "status_live_depth": frozenset(LIVE),
+    "partition_heads": frozenset(LIVE),
+    "partition_claimable": frozenset(LIVE),
+    "partition_busy": IN_FLIGHT,
+    "partition_unkeyed": frozenset(LIVE),
+    "partition_paused": frozenset(LIVE),
+    "partition_retrying": frozenset(LIVE),
 }
 
 

@@ -207,7 +207,9 @@ class DispatchQueries(StoreBase):
         self._exec("channel_pause", channel=channel, now=self.clock(), reason=reason)
 
     def resume_channel(self, channel: str) -> None:
+        """Clear the channel's pause flag and, on a partitioned channel, every key's pause."""
         self._exec("channel_resume", channel=channel)
+        self._exec("partition_resume_all", channel=channel)
 
     def paused_channels(self) -> set[str]:
         return {str(r[0]) for r in self._exec("paused_channels")}

@@ -146,6 +146,7 @@ class IntakeQueries(StoreBase):
             "error_code": None,
             "error_text": None,
             "now": item.received_at,
+            "partition_key": item.partition_key,
         })
         if item.control_id:
             keyed = self.conn.execute(self.q["dedupe_upsert"], {
@@ -196,6 +197,7 @@ class IntakeQueries(StoreBase):
             error_code=item.error_code,
             error_text=item.error_text,
             now=item.received_at,
+            partition_key=None,
         )
         return message_id
 

@@ -37,7 +37,7 @@ from agent.storage.rows import (
     StatusHead,
     StoredRow,
 )
-from agent.storage.store_dispatch import DispatchQueries
+from agent.storage.store_partitions import PartitionQueries, blocked_entry
 
 #: Above every seq (SQLite integers are 64-bit): "before the end" for a channel with no head.
 _NO_SEQ = 2**63 - 1
@@ -47,7 +47,7 @@ _NO_SEQ = 2**63 - 1
 OUTBOUND_META_PREFIX = "outbound:"
 
 
-class OperatorQueries(DispatchQueries):
+class OperatorQueries(PartitionQueries):
     """Stats, health, relay polling and the operator's reads and writes."""
 
     # -- daemon-side reads -------------------------------------------------------
@@ -74,6 +74,9 @@ class OperatorQueries(DispatchQueries):
             entry[live.state] = int(live.n)
             if live.oldest is not None:
                 entry["oldest_queued_age_s"] = round(max(0.0, now - float(live.oldest)), 3)
+        for blocked in self.blocked_partitions(now):
+            channel_entry(blocked.channel).setdefault("blocked_partitions", []).append(
+                blocked_entry(blocked, now))
         row = self.lease_row()
         lease_obj = None
         if (row is not None and row.holder is not None and row.expires_at is not None

@@ -16,7 +16,7 @@ GROUP BY channel, state
 -- name: op_list
 SELECT id, channel, seq, state, control_id, message_type, attempts, received_at, error_code,
        remote, updated_at, encoding, CASE WHEN :show_body THEN body END AS body, error_text,
-       server_reason
+       server_reason, partition_key
 FROM messages
 WHERE (:state IS NULL OR state = :state)
   AND (:channel IS NULL OR channel = :channel)

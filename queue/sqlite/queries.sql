@@ -36,11 +36,11 @@ RETURNING last_seq
 INSERT INTO messages (id, channel, seq, state, remote, sending_app, sending_facility, control_id,
                       message_type, encoding, body, body_sha256, ack_mode, accept_ack_type,
                       application_ack_type, ack_sent, ack_outcome, attempts, next_attempt_at,
-                      error_code, error_text, received_at, updated_at)
+                      error_code, error_text, received_at, updated_at, partition_key)
 VALUES (:id, :channel, :seq, :state, :remote, :sending_app, :sending_facility, :control_id,
         :message_type, :encoding, :body, :body_sha256, :ack_mode, :accept_ack_type,
         :application_ack_type, :ack_sent, :ack_outcome, 0, 0,
-        :error_code, :error_text, :now, :now)
+        :error_code, :error_text, :now, :now, :partition_key)
 
 -- name: dedupe_prior_row
 -- The original row of a duplicate (it may have been purged since).
@@ -91,6 +91,108 @@ FROM messages
 WHERE channel = :channel AND state IN ('queued', 'claimed', 'inflight')
 ORDER BY seq
 LIMIT 1
+
+-- Partitioned channels (docs/queue.md#partitioned-channels): order per key
+-- value. A key's turn is its lowest-seq live row; while a row of the key is
+-- claimed or inflight no other row of it is claimed; a live row with a NULL
+-- key (taken in by an older agent, or before partition_key was set) holds
+-- back every key behind it until the dispatcher computed its key.
+
+-- name: partition_heads
+-- The claimable heads of a partitioned channel, oldest first (messages_live_head
+-- in seq order; each NOT EXISTS one probe of messages_partition_head,
+-- messages_partition_busy or the pauses' primary key).
+SELECT m.id, m.channel, m.seq, m.state, m.attempts, m.next_attempt_at, m.claim_epoch, m.remote,
+       m.control_id, m.message_type, m.encoding, m.body, m.received_at, m.ack_mode, m.redrive_base,
+       m.partition_key
+FROM messages AS m
+WHERE m.channel = :channel AND m.state IN ('queued', 'claimed', 'inflight')
+  AND m.state = 'queued' AND m.next_attempt_at <= :now AND m.partition_key IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM messages AS e
+                  WHERE e.channel = m.channel AND e.partition_key = m.partition_key
+                    AND e.state IN ('queued', 'claimed', 'inflight') AND e.seq < m.seq)
+  AND NOT EXISTS (SELECT 1 FROM messages AS n
+                  WHERE n.channel = m.channel AND n.partition_key IS NULL
+                    AND n.state IN ('queued', 'claimed', 'inflight') AND n.seq < m.seq)
+  AND NOT EXISTS (SELECT 1 FROM messages AS b
+                  WHERE b.channel = m.channel AND b.partition_key = m.partition_key
+                    AND b.state IN ('claimed', 'inflight'))
+  AND NOT EXISTS (SELECT 1 FROM partition_pauses AS p
+                  WHERE p.channel = m.channel AND p.partition_key = m.partition_key)
+ORDER BY m.seq
+LIMIT :limit
+
+-- name: partition_claimable
+-- The same rule for one row, checked under the write lock just before its claim
+-- (the heads were read on another connection: a re-drive may have come between).
+SELECT 1 FROM messages AS m
+WHERE m.id = :id AND m.partition_key IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM messages AS e
+                  WHERE e.channel = m.channel AND e.partition_key = m.partition_key
+                    AND e.state IN ('queued', 'claimed', 'inflight') AND e.seq < m.seq)
+  AND NOT EXISTS (SELECT 1 FROM messages AS n
+                  WHERE n.channel = m.channel AND n.partition_key IS NULL
+                    AND n.state IN ('queued', 'claimed', 'inflight') AND n.seq < m.seq)
+  AND NOT EXISTS (SELECT 1 FROM messages AS b
+                  WHERE b.channel = m.channel AND b.partition_key = m.partition_key
+                    AND b.state IN ('claimed', 'inflight') AND b.id <> m.id)
+  AND NOT EXISTS (SELECT 1 FROM partition_pauses AS p
+                  WHERE p.channel = m.channel AND p.partition_key = m.partition_key)
+
+-- name: partition_busy
+-- A partitioned channel's rows in flight (claimed or inflight), by seq: after a
+-- restart or a takeover, the inflight ones are resent before their key goes on.
+SELECT id, channel, seq, state, attempts, next_attempt_at, claim_epoch, remote, control_id,
+       message_type, encoding, body, received_at, ack_mode, redrive_base, partition_key
+FROM messages
+WHERE channel = :channel AND state IN ('claimed', 'inflight')
+ORDER BY seq
+
+-- name: partition_unkeyed
+-- Live rows of a channel without a key yet (an older agent took them in).
+SELECT id, body, encoding FROM messages
+WHERE channel = :channel AND partition_key IS NULL AND state IN ('queued', 'claimed', 'inflight')
+ORDER BY seq
+LIMIT :limit
+
+-- name: partition_set_key
+UPDATE messages SET partition_key = :partition_key WHERE id = :id AND partition_key IS NULL
+
+-- name: partition_pause
+INSERT INTO partition_pauses (channel, partition_key, paused_at, reason)
+VALUES (:channel, :partition_key, :now, :reason)
+ON CONFLICT (channel, partition_key) DO UPDATE SET paused_at = excluded.paused_at,
+                                                   reason = excluded.reason
+
+-- name: partition_resume_all
+DELETE FROM partition_pauses WHERE channel = :channel
+
+-- name: partition_paused
+-- Paused keys with their head (NULL when the key has no live row left).
+SELECT p.channel, p.partition_key, p.paused_at, p.reason, m.id, m.seq, m.received_at, m.attempts,
+       (SELECT count(*) FROM messages AS c
+        WHERE c.channel = p.channel AND c.partition_key = p.partition_key
+          AND c.state IN ('queued', 'claimed', 'inflight')) AS depth
+FROM partition_pauses AS p
+LEFT JOIN messages AS m
+  ON m.channel = p.channel AND m.partition_key = p.partition_key
+ AND m.seq = (SELECT min(h.seq) FROM messages AS h
+              WHERE h.channel = p.channel AND h.partition_key = p.partition_key
+                AND h.state IN ('queued', 'claimed', 'inflight'))
+ORDER BY p.channel, p.paused_at
+
+-- name: partition_retrying
+-- Heads of keys waiting for a retry (due later than :now); messages_partition_retry
+-- holds the queued rows of partitioned channels by due time.
+SELECT m.channel, m.partition_key, m.id, m.seq, m.received_at, m.attempts, m.next_attempt_at,
+       m.error_code, m.server_status,
+       (SELECT count(*) FROM messages AS c
+        WHERE c.channel = m.channel AND c.partition_key = m.partition_key
+          AND c.state IN ('queued', 'claimed', 'inflight')) AS depth
+FROM messages AS m
+WHERE m.state = 'queued' AND m.partition_key IS NOT NULL AND m.next_attempt_at > :now
+ORDER BY m.next_attempt_at
+LIMIT :limit
 
 -- name: claim
 UPDATE messages SET state = 'claimed', claim_epoch = :epoch, claimed_at = :now, updated_at = :now

@@ -416,12 +416,12 @@ class TestOlderSchema:
         code = main(["queue", "list", "--config", str(config)])
         _, err = capsys.readouterr()
         assert code == 1 and err.count("\n") == 1
-        assert "has schema 1, this hl7-agent reads schema 2: start this version's daemon once" in err
+        assert f"has schema 1, this hl7-agent reads schema {db.SCHEMA_VERSION}: start this version's daemon once" in err
         assert main(["channel", "pause", "adt", "--config", str(config)]) == 0
         capsys.readouterr()
         assert main(["queue", "list", "--config", str(config)]) == 0
         conn = db.connect(data_dir / "queue.db", db.DatabaseOptions(), create=False)
         try:
-            assert db.read_meta(conn)["schema_version"] == "2"
+            assert db.read_meta(conn)["schema_version"] == str(db.SCHEMA_VERSION)
         finally:
             conn.close()

@@ -299,7 +299,7 @@ class TestMigrations:
         s = store_on(d, postgres.open_database(d, AGENT, time.time()))
         try:
             meta = s.meta()
-            assert (meta["schema_version"], meta["min_compatible_version"]) == ("2", "1")
+            assert (meta["schema_version"], meta["min_compatible_version"]) == (str(postgres.SCHEMA_VERSION), "1")
             row = s.row("old-row")
             assert row is not None and row.server_reason is None and row.state == "failed"
             assert pg_database.rows("SELECT count(*) FROM operator_actions") == [(0,)]
@@ -324,12 +324,12 @@ class TestMigrations:
         queue = SimpleNamespace(backend="postgresql", dsn=pg_database.dsn, password_file=None,
                                 synchronous="full", busy_timeout=5.0, dedupe_window=86400.0,
                                 retention=86400.0, max_db_bytes=0, min_free_disk_bytes=0)
-        with pytest.raises(StorageError, match="has schema 1, this hl7-agent reads schema 2: start this"), \
+        with pytest.raises(StorageError, match=f"has schema 1, this hl7-agent reads schema {postgres.SCHEMA_VERSION}: start this"), \
                 open_operator_store(tmp_path / "q.db", queue, AGENT, write=False):
             pass
         assert pg_database.rows("SELECT value FROM meta WHERE key = 'schema_version'") == [("1",)]
         with open_operator_store(tmp_path / "q.db", queue, AGENT, write=True) as s:
-            assert s.meta()["schema_version"] == "2"
+            assert s.meta()["schema_version"] == str(postgres.SCHEMA_VERSION)
         with open_operator_store(tmp_path / "q.db", queue, AGENT, write=False) as s:
             assert s.live_depth() == 0
 

@@ -156,7 +156,7 @@ class TestReads:
         db = data["db"]
         assert db["backend"] == "postgresql" and db["path"] is None and db["wal_bytes"] is None
         assert db["dsn"] == queue.db.dsn_without_password and queue.db.server.password not in out
-        assert db["size_bytes"] > 0 and db["agent_id"] == AGENT_ID and db["schema_version"] == 2
+        assert db["size_bytes"] > 0 and db["agent_id"] == AGENT_ID and db["schema_version"] == postgres.SCHEMA_VERSION
 
     def test_stats_table_names_the_database(self, queue: PgQueue, capsys: pytest.CaptureFixture[str]) -> None:
         """The terminal form shows the dsn (masked) where SQLite shows the file."""

@@ -346,7 +346,7 @@ class TestSchemaTwo:
         try:
             store = SqliteStore(conn, db.load_queries(), db_path=path)
             meta = store.meta()
-            assert (meta["schema_version"], meta["min_compatible_version"]) == ("2", "1")
+            assert (meta["schema_version"], meta["min_compatible_version"]) == (str(db.SCHEMA_VERSION), "1")
             row = store.row("old-row")
             assert row is not None and row.server_reason is None and row.state == State.FAILED
             assert conn.execute("SELECT count(*) FROM operator_actions").fetchone() == (0,)

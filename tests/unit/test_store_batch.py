@@ -131,7 +131,7 @@ class TestGroupBackpressure:
         A member already stored is still answered as a duplicate.
         """
         path = tmp_path / "data" / "queue.db"
-        store = open_store(path, max_db_bytes=256 * 1024)
+        store = open_store(path, max_db_bytes=288 * 1024)
         try:
             self._fill(store)
             with store.transaction() as s:

@@ -28,6 +28,7 @@ from agent.app.commands.tables import (
     table,
     table_lines,
 )
+from agent.core.partition import key_hash
 from agent.core.states import ALL, DEPTH, PURGEABLE, State
 from agent.core.timefmt import compact_duration, human_bytes, rfc3339
 from agent.storage.rows import ChannelFlags, LeaseRow, ListedRow, StateCount, StoredRow
@@ -220,6 +221,17 @@ def render_stats(data: dict[str, Any], lease_row: LeaseRow | None, now: float) -
         out.append(table(headers, rows, right=range(1, 7)))
     else:
         out.append("no channels\n")
+    blocked = [(name, b) for name, c in data["channels"].items() for b in c.get("blocked_partitions", ())]
+    if blocked:
+        out.append("blocked partitions (a key by its hash; the other keys go on)")
+        out.append(table(
+            ["channel", "key", "why", "head", "seq", "rows", "head age", "attempts", "next try / reason"],
+            [[name, b["key_hash"], b["why"], b["head_id"] or "-", b["head_seq"] or "-", b["depth"],
+              compact_duration(b["head_age_s"]), b["attempts"],
+              compact_duration(b["next_attempt_in_s"]) if b["why"] == "retrying" else (b["paused_reason"] or "")]
+             for name, b in blocked],
+            right=(4, 5, 7),
+        ))
     for name, c in data["channels"].items():
         ob = c.get("outbound")
         if isinstance(ob, dict):
@@ -240,6 +252,7 @@ def list_item(row: ListedRow, *, show_body: bool) -> dict[str, Any]:
         "received_at": ts(row.received_at), "error_code": row.error_code, "remote": row.remote,
         "updated_at": ts(row.updated_at), "error_text": row.error_text,
         "server_reason": row.server_reason,
+        "partition": key_hash(row.partition_key) if row.partition_key is not None else None,
     }  # fmt: skip
     if show_body:
         item["encoding"] = row.encoding

@@ -48,6 +48,7 @@ from agent.app.config.values import (
     _mask_url,
 )
 from agent.core.addresses import parse_listen
+from agent.core.partition import PartitionKey, parse_partition_key
 from agent.errors import ConfigError
 from agent.storage.conninfo import dsn_has_password, mask_dsn
 
@@ -344,6 +345,11 @@ class ChannelSettings(_Section):
     accept_message_types: list[str] = Field(default_factory=list)
     accept_processing_ids: list[str] = Field(default_factory=list)
     accept_versions: list[str] = Field(default_factory=list)  # "2.5" also admits "2.5.1"
+    # Partitioned channels (docs/queue.md#partitioned-channels): order is kept per
+    # value of these HL7 field paths ("PID-3.1", "MSH-4,PID-3.1"); None = one
+    # partition, strict channel order. max_in_flight rows of different keys at once.
+    partition_key: str | None = None
+    max_in_flight: int = Field(default=1, ge=1, le=256)
     # Outbound channels (connect): TLS verifies the sender's certificate
     # against tls_server_ca (setting it turns TLS on) for tls_server_name (the
     # connect host by default); tls_cert/tls_key are then our client
@@ -422,6 +428,34 @@ class ChannelSettings(_Section):
     @classmethod
     def _resolve_paths(cls, value: Path | None, info: ValidationInfo) -> Path | None:
         return _absolute(value, info)
+
+    @field_validator("partition_key", mode="before")
+    @classmethod
+    def _partition_key(cls, value: object) -> object:
+        if isinstance(value, str):
+            if not value.strip():
+                raise ValueError("must name at least one HL7 field path, e.g. PID-3.1 (or leave it out)")
+            return str(parse_partition_key(value))  # ValueError says what is wrong
+        return value
+
+    @model_validator(mode="after")
+    def _partitions(self) -> ChannelSettings:
+        if self.max_in_flight > 1 and self.partition_key is None:
+            raise ValueError(
+                f"max_in_flight = {self.max_in_flight} needs partition_key (e.g. \"PID-3.1\"): without it "
+                "a channel keeps strict order, one message in flight"
+            )
+        if self.max_in_flight > 1 and self.assign_sequence_numbers:
+            raise ValueError(
+                "assign_sequence_numbers cannot be used with max_in_flight > 1: with several messages in "
+                "flight the server would no longer receive MSH-13 in arrival order"
+            )
+        return self
+
+    @property
+    def partition(self) -> PartitionKey | None:
+        """The parsed ``partition_key`` (None: the channel is one partition)."""
+        return parse_partition_key(self.partition_key) if self.partition_key is not None else None
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ChannelSettings:
