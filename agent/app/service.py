@@ -490,6 +490,11 @@ class Agent:
                     purged = await writer.call(maintenance.reclaim, time.time())
                     if purged:
                         log.info("retention_purged", rows=purged)
+                elif await reader.call(maintenance.headroom_short):
+                    # Close to the floor: delivered rows go before intake has to refuse.
+                    purged = await writer.call(maintenance.purge_for_headroom)
+                    if purged:
+                        log.info("retention_purged", rows=purged, reason="disk headroom")
                 # Free pages beyond a small slack go back to the filesystem
                 # (all of them while the disk is short); bounded per tick.
                 tight = bool(refusing) or await reader.call(maintenance.disk_tight)

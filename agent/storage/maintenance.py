@@ -251,6 +251,35 @@ def enforce_size_cap(store: StoreBase) -> int:
     return purged
 
 
+def headroom_short(store: StoreBase) -> bool:
+    """Free space is within half the floor of ``min_free_disk_bytes`` (free pages counted).
+
+    The maintenance then purges delivered rows early (:func:`purge_for_headroom`),
+    so the disk does not hover at the floor with intake refusing on and off.
+    """
+    floor = store.space.min_free_disk_bytes
+    if not floor:
+        return False
+    return _usable_disk_bytes(store) + free_pages(store) * page_size(store) < floor + floor // 2
+
+
+def purge_for_headroom(store: StoreBase, max_steps: int = 20) -> int:
+    """The oldest delivered rows, until half the floor is free above it again (bounded per call).
+
+    Only what backpressure would purge anyway: ``processed``, ``rejected`` and
+    ``nacked`` rows, never live or ``failed`` ones.
+    """
+    purged = 0
+    for _ in range(max_steps):
+        if not headroom_short(store):
+            break
+        step = _purge_oldest(store)
+        if step == 0:
+            break
+        purged += step
+    return purged
+
+
 def reclaim(store: StoreBase, now: float) -> int:
     """The retention sweep: retention, room for intake, then the size cap. Rows purged."""
     return make_room(store, now) + enforce_size_cap(store)
