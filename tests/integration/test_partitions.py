@@ -151,7 +151,14 @@ class TestBlockedKeys:
                     pat0 = [t for t in server.received if t.partition == "PAT0"]
                     assert {t.control_id for t in pat0} == {plan[0][0]}, "PAT0 went on past its head"
                     assert len(pat0) >= 2  # retried, not given up
-                    view = await agent.reader.call(SqliteStore.blocked_partitions, time.time() - 60)
+                    # Between attempts the head is queued with its error (blocked, retrying);
+                    # while an attempt is out it is inflight: wait for the former.
+                    deadline = time.monotonic() + 15
+                    while True:
+                        view = await agent.reader.call(SqliteStore.blocked_partitions, time.time() - 60)
+                        if view or time.monotonic() > deadline:
+                            break
+                        await asyncio.sleep(0.02)
                     assert [(b.why, b.depth) for b in view] == [("retrying", PER_PATIENT)]
                     recorder.released.set()
                     await until(lambda: rows(agent, "SELECT count(*) FROM messages WHERE state = 'processed'")
