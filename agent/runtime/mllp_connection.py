@@ -49,7 +49,7 @@ from agent.core.intake_types import (
     Owed,
     RecordOutcome,
 )
-from agent.storage.store import AuditItem, IntakeItem, SqliteStore
+from agent.storage.store import AuditItem, IntakeItem, IntakeResult, SqliteStore
 from agent.storage.writer import Writer
 
 if TYPE_CHECKING:
@@ -292,8 +292,7 @@ class Connection(asyncio.Protocol):
             self._count(action)
         elif isinstance(action, RecordOutcome):
             # Bookkeeping that may be lost in a crash: rides along with the next commit.
-            message_id, outcome = action.message_id, action.outcome
-            self.ctx.writer.defer(lambda store: SqliteStore.set_ack_outcome(store, message_id, outcome))
+            self.ctx.writer.defer_ack_outcome(action.message_id, action.outcome)
         elif isinstance(action, Audit):
             self._audit(action.record)
         elif isinstance(action, Committed):
@@ -317,22 +316,20 @@ class Connection(asyncio.Protocol):
             transport.abort()
 
     def _commit(self, action: Commit) -> None:
-        # One frame, one row today; HL7 batch frames (issue 10) commit theirs through
-        # SqliteStore.intake_batch, all or none.
-        (message,) = action.items
-        future = _submit(self.ctx.writer, SqliteStore.intake, intake_item(self.channel.name, self.remote, message))
+        # One frame, one row today; HL7 batch frames (issue 10) commit theirs as
+        # one group, all or none.
         ticket = action.ticket
+        channel, remote = self.channel.name, self.remote
 
-        def done(fut: concurrent.futures.Future[Any]) -> None:
-            if fut.cancelled():
-                self.core.commit_failed(ticket, RuntimeError("commit cancelled"))
-            elif (error := fut.exception()) is not None:
-                self.core.commit_failed(ticket, error)
+        def done(results: list[IntakeResult] | None, error: BaseException | None) -> None:
+            # On the loop, after the batch's COMMIT returned (one hop for the whole batch).
+            if results is not None:
+                self.core.commit_done(ticket, results)
             else:
-                self.core.commit_done(ticket, (fut.result(),))
+                self.core.commit_failed(ticket, error or RuntimeError("commit failed"))
             self._run()
 
-        future.add_done_callback(lambda fut: self._from_writer(done, fut))
+        self.ctx.writer.intake([intake_item(channel, remote, message) for message in action.items], done)
 
     def _audit(self, record: AuditRecord) -> None:
         future = _submit(self.ctx.writer, SqliteStore.record_audit, audit_item(self.channel.name, self.remote, record))

@@ -24,9 +24,11 @@ ON CONFLICT (channel, sending_app, sending_facility, control_id) DO UPDATE SET
 -- name: dedupe_set_app_ack
 UPDATE dedupe_keys SET app_ack = :app_ack WHERE message_id = :message_id
 
--- name: next_seq
-INSERT INTO channels (channel, last_seq) VALUES (:channel, 1)
-ON CONFLICT (channel) DO UPDATE SET last_seq = last_seq + 1
+-- name: next_seqs
+-- Advance the channel's seq by :n (the rows one commit batch queues on it);
+-- they take the seqs up to the returned one.
+INSERT INTO channels (channel, last_seq) VALUES (:channel, :n)
+ON CONFLICT (channel) DO UPDATE SET last_seq = channels.last_seq + excluded.last_seq
 RETURNING last_seq
 
 -- name: insert_message
