@@ -28,8 +28,13 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 # Only what the wheel needs (.dockerignore keeps tests, caches and .git out).
 # agent/_sql is a symlink to ../queue: both are copied, the wheel resolves it.
-COPY pyproject.toml README.md ./
+# LICENSE, docs/, config/ and systemd/ are the wheel's license and data files
+# (/opt/hl7-agent/share/doc/hl7-agent/ in the image).
+COPY pyproject.toml README.md LICENSE ./
 COPY queue ./queue
+COPY docs ./docs
+COPY config ./config
+COPY systemd ./systemd
 COPY agent ./agent
 RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
  && python -m venv /opt/hl7-agent \

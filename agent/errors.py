@@ -14,13 +14,13 @@ a local one an AR/CE "resend later".
     │   │   └── DatabaseLocked      busy beyond busy_timeout
     │   ├── IncompatibleDatabase    schema too new, or another agent.id owns it
     │   ├── LeaseLost               the dispatch lease moved; stop dispatching
-    │   └── HandoverError           listening sockets could not be handed over
+    │   ├── HandoverError           listening sockets could not be handed over
+    │   └── StartupError            the daemon cannot start: names the key to fix
     └── RemoteError                 the peer broke a rule
         ├── HL7Error                a message we cannot accept as sent
         │   ├── EnvelopeError       MSH missing or malformed (ERR-3 101/102)
         │   └── UnsupportedCharset  MSH-18 / channel encoding unusable (ERR-3 102/103)
         └── ProtocolError           the upstream server broke protocol v1
-            └── AuthenticationFailed  401 on connect: the token is wrong
 """
 
 from __future__ import annotations
@@ -66,6 +66,17 @@ class HandoverError(LocalError):
     """Listening sockets could not be handed from one process to the next."""
 
 
+class StartupError(LocalError):
+    """The daemon cannot start; ``key`` is the setting to fix (``agent.data_dir``), ``path`` the file."""
+
+    def __init__(self, message: str, *, key: str | None, path: str | None = None,
+                 error: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.path = path
+        self.error = error or message
+
+
 class RemoteError(AgentError):
     """The peer broke a rule of HL7, MLLP or protocol v1."""
 
@@ -100,7 +111,3 @@ class UnsupportedCharset(HL7Error):
 
 class ProtocolError(RemoteError):
     """The upstream server sent something protocol v1 does not allow."""
-
-
-class AuthenticationFailed(ProtocolError):
-    """The server answered 401: the configured token is wrong."""

@@ -4,10 +4,10 @@
 # daemon is available.
 #
 #   1. copies the build context the Dockerfile uses (pyproject.toml, README.md,
-#      queue/, agent/) into a temp dir, builds the wheel, installs it into a fresh
+#      LICENSE, queue/, docs/, config/, systemd/, agent/) into a temp dir, builds the wheel, installs it into a fresh
 #      venv (the image's /opt/hl7-agent), imports agent.app.cli
 #   2. as uid/gid 10001 (the image's user, via setpriv; when run as root) with a
-#      clean environment, configuration from env only (no config file, SPEC 3):
+#      clean environment, configuration from env only (no config file, docs/configuration.md):
 #      `hl7-agent check-config`, then `hl7-agent run` with a temp data dir owned by
 #      that uid (the image's VOLUME), started from that dir (its WORKDIR)
 #   3. waits for `hl7-agent health` (the image's HEALTHCHECK), sends one message
@@ -51,7 +51,7 @@ chmod 0755 "$work"
 # --- builder stage ----------------------------------------------------------
 say "building the wheel from the Docker build context"
 mkdir -p "$work/src" "$work/wheels"
-for item in pyproject.toml README.md queue agent; do
+for item in pyproject.toml README.md LICENSE queue docs config systemd agent; do
     [[ -e $repo/$item ]] || fail "$item is missing, but the Dockerfile COPYs it"
     cp -a "$repo/$item" "$work/src/"
 done

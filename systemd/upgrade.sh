@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Zero-downtime upgrade of the hl7-agent blue/green pair (SPEC 7).
+# Zero-downtime upgrade of the hl7-agent blue/green pair (docs/deploy.md).
 #
 # usage: upgrade.sh [--install PACKAGE] [--to blue|green] [--timeout SECONDS]
 #

@@ -15,14 +15,33 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agent import __version__
-from agent.core.states import REDRIVABLE
+from agent.core.states import ALL, REDRIVABLE
 from agent.errors import AgentError, ConfigError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, when it has one worth saying.
+
+    Like argparse's ArgumentDefaultsHelpFormatter, without "(default: None)"
+    and "(default: False)" for options that are simply off unless given.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if ("%(default)" in text or not action.option_strings
+                or action.default in (None, False, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse exits 2 on usage errors already; keep its one-line style."""
+    """argparse exits 2 on usage errors already; keep its one-line style. Help shows defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401 - argparse's signature
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> Any:  # noqa: ANN401 - argparse's signature
         self.print_usage(sys.stderr)
@@ -47,7 +66,8 @@ def _global_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hl7-agent", description="Durable HL7 v2 MLLP edge agent.")
-    parser.add_argument("--version", action="version", version=f"hl7-agent {__version__}")
+    parser.add_argument("--version", action="version", version=f"hl7-agent {__version__}",
+                        help="print the version and exit")
     _global_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
@@ -62,16 +82,24 @@ def build_parser() -> argparse.ArgumentParser:
     command("health", "exit 0 when the daemon's admin endpoint answers /healthz, else 1")
 
     send = command("send", "send HL7 files over MLLP and print each ACK")
-    send.add_argument("--host", default="127.0.0.1")
-    send.add_argument("--port", type=_port, required=True)
+    send.add_argument("--host", default="127.0.0.1", help="the MLLP listener's host")
+    send.add_argument("--port", type=_port, required=True, help="the MLLP listener's TCP port")
     send.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each ACK")
-    send.add_argument("files", nargs="+", metavar="FILE")
+    send.add_argument("--tls", action="store_true",
+                      help="MLLP over TLS; the server's certificate must name --host")
+    send.add_argument("--ca", metavar="FILE", help="CA bundle (PEM) to verify the server "
+                      "(default: the system's trust store); needs --tls")
+    send.add_argument("--cert", metavar="FILE", help="client certificate (PEM) for a channel "
+                      "that requires one; needs --tls")
+    send.add_argument("--key", metavar="FILE", help="private key of --cert (default: in the --cert file)")
+    send.add_argument("files", nargs="+", metavar="FILE",
+                      help="files of one or more messages (one message per MSH), or MLLP-framed")
 
     dev = command("dev-server", "run the reference upstream server (protocol v1)")
-    dev.add_argument("--host", default="127.0.0.1")
-    dev.add_argument("--port", type=_port, default=8080)
+    dev.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    dev.add_argument("--port", type=_port, default=8080, help="TCP port to listen on")
     dev.add_argument("--token-file", default=None, help="file holding the expected bearer token "
-                     "(else $HL7_AGENT_DEV_TOKEN)")
+                     "(else $HL7_AGENT_DEV_TOKEN; neither: every agent is let in)")
     dev.add_argument("--no-replay", action="store_true", help="announce replay: false")
     dev.add_argument("--store", default=None, metavar="FILE", help="append every transmit as a JSON line")
 
@@ -84,40 +112,61 @@ def build_parser() -> argparse.ArgumentParser:
         _global_flags(p, top=False)
         return p
 
+    id_help = "a row id, or a unique prefix of it (at least 8 characters)"
+    states = ", ".join(ALL)
+
     stats = qcommand("stats", "counts by state, per-channel depth, lease holder")
-    stats.add_argument("--json", action="store_true")
+    stats.add_argument("--json", action="store_true",
+                       help="print one JSON object (docs/queue-stats.schema.json)")
 
     lst = qcommand("list", "rows, newest first (no bodies unless --show-body)")
-    lst.add_argument("--state")
-    lst.add_argument("--channel")
-    lst.add_argument("--since", metavar="DURATION|TIME")
-    lst.add_argument("--control-id")
-    lst.add_argument("--limit", type=int, default=50)
-    lst.add_argument("--show-body", action="store_true")
-    lst.add_argument("--json", action="store_true")
+    lst.add_argument("--state", help=f"only rows in this state ({states})")
+    lst.add_argument("--channel", help="only rows of this channel")
+    lst.add_argument("--since", metavar="DURATION|TIME",
+                     help="only rows received in the last DURATION (30m, 2h, 7d) or since an "
+                          "RFC 3339 time with its offset")
+    lst.add_argument("--control-id", help="only rows with this MSH-10")
+    lst.add_argument("--limit", type=int, default=50, metavar="N", help="at most N rows; 0 means all")
+    lst.add_argument("--show-body", action="store_true",
+                     help="add each message's text (patient data)")
+    lst.add_argument("--json", action="store_true",
+                     help="print a JSON array (docs/queue-list.schema.json) instead of a table")
 
     show = qcommand("show", "one row with its history fields")
-    show.add_argument("id")
-    show.add_argument("--raw", action="store_true", help="print the stored message bytes exactly")
-    show.add_argument("--json", action="store_true")
+    show.add_argument("id", metavar="ID", help=id_help)
+    show.add_argument("--raw", action="store_true",
+                      help="print the stored message (patient data): the exact bytes when "
+                           "redirected, a segment per line on a terminal")
+    show.add_argument("--json", action="store_true",
+                      help="print one JSON object (docs/queue-show.schema.json)")
 
     retry = qcommand("retry", "put failed/rejected rows back to queued (keeps each id)")
-    retry.add_argument("ids", nargs="*", metavar="ID")
-    retry.add_argument("--state", choices=[s.value for s in REDRIVABLE])
-    retry.add_argument("--channel")
-    retry.add_argument("--dry-run", action="store_true")
+    retry.add_argument("ids", nargs="*", metavar="ID", help=f"rows to re-drive: {id_help}")
+    retry.add_argument("--state", choices=[s.value for s in REDRIVABLE],
+                       help="every row in this state instead of ids")
+    retry.add_argument("--channel", help="with --state: only rows of this channel")
+    retry.add_argument("--dry-run", action="store_true", help="show what would move; change nothing")
+
+    fail = qcommand("fail", "set queued rows aside as failed (a stuck head stops blocking its "
+                            "channel); `queue retry` brings them back")
+    fail.add_argument("ids", nargs="+", metavar="ID", help=f"queued rows to set aside: {id_help}")
+    fail.add_argument("--reason", metavar="TEXT",
+                      help="why: stored with each row (error_text) and in the daemon's log")
 
     purge = qcommand("purge", "delete terminal rows older than a duration")
-    purge.add_argument("--state", required=True)
-    purge.add_argument("--older-than", required=True, metavar="DURATION")
-    purge.add_argument("--channel")
-    purge.add_argument("--dry-run", action="store_true")
+    purge.add_argument("--state", required=True,
+                       help="the state to delete (processed, rejected, failed or nacked)")
+    purge.add_argument("--older-than", required=True, metavar="DURATION",
+                       help="rows last changed longer ago than this (30s, 5m, 2h, 7d; 0: all)")
+    purge.add_argument("--channel", help="only rows of this channel")
+    purge.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
 
     export = qcommand("export", "write selected messages MLLP-framed for replay elsewhere")
-    export.add_argument("--state", required=True)
-    export.add_argument("--channel")
-    export.add_argument("--format", choices=["mllp", "lines"], default="mllp")
-    export.add_argument("out", metavar="OUT")
+    export.add_argument("--state", required=True, help=f"the state to export ({states})")
+    export.add_argument("--channel", help="only rows of this channel")
+    export.add_argument("--format", choices=["mllp", "lines"], default="mllp",
+                        help="mllp: each message framed 0x0B…0x1C 0x0D; lines: a segment per line")
+    export.add_argument("out", metavar="OUT", help="the file to write (mode 0600), or - for stdout")
 
     channel = command("channel", "pause or resume dispatch of a channel (durable)")
     csub = channel.add_subparsers(dest="channel_command", metavar="SUBCOMMAND", parser_class=_Parser)
@@ -126,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                         ("resume", "resume dispatch")):
         p = csub.add_parser(name, help=help_, description=help_)
         _global_flags(p, top=False)
-        p.add_argument("name", metavar="NAME")
+        p.add_argument("name", metavar="NAME", help="a configured channel")
     return parser
 
 
@@ -140,10 +189,18 @@ def _settings(args: argparse.Namespace) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from agent.app.preflight import log_start_failure
     from agent.app.service import run_agent
     from agent.runtime.logs import configure_logging, flush_logs
 
-    settings = _settings(args)
+    try:
+        settings = _settings(args)
+    except ConfigError as exc:
+        # No configuration to take the log format from: JSON for a log reader, text on a terminal.
+        configure_logging("info", "console" if sys.stderr.isatty() else "json")
+        log_start_failure(exc)
+        flush_logs()
+        raise
     level = "debug" if args.debug else settings.logging.level
     configure_logging(level, settings.logging.format)
     try:
@@ -162,8 +219,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from agent.app.config import render_effective
+    from agent.app.preflight import data_dir_problem
 
-    text = render_effective(_settings(args))
+    settings = _settings(args)
+    # The daemon could not start with it: a configuration this user cannot run is not valid.
+    problem = data_dir_problem(settings.agent.data_dir)
+    if problem is not None:
+        raise ConfigError(f"config error: {problem.message()}")
+    text = render_effective(settings)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     return EXIT_OK
 
@@ -187,9 +250,15 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_send(args: argparse.Namespace) -> int:
-    from agent.app.client import send_files
+    from agent.app.client import ClientTls, send_files
+    from agent.errors import UsageError
 
-    return send_files(args.host, args.port, args.files, timeout=args.timeout)
+    if not args.tls and (args.ca or args.cert or args.key):
+        raise UsageError("send: --ca, --cert and --key need --tls")
+    if args.key and not args.cert:
+        raise UsageError("send: --key needs --cert")
+    tls = ClientTls(ca=args.ca, cert=args.cert, key=args.key) if args.tls else None
+    return send_files(args.host, args.port, args.files, timeout=args.timeout, tls=tls)
 
 
 def cmd_dev_server(args: argparse.Namespace) -> int:

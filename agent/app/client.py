@@ -1,15 +1,21 @@
-"""``hl7-agent send``: a small MLLP client for operators and tests (SPEC 2).
+"""``hl7-agent send``: a small MLLP client for operators and tests (docs/operations.md).
 
 Blocking sockets on purpose: it sends one message, waits for its ACK, and
-moves on, exactly as the lab machines it stands in for.
+moves on, exactly as the lab machines it stands in for. With ``--tls`` it
+speaks MLLP over TLS like a channel with ``tls_cert`` expects: the server's
+certificate is verified against ``--ca`` (else the system's trust store) for
+the name given as ``--host``, and ``--cert``/``--key`` present a client
+certificate to a channel that requires one (``tls_client_ca``).
 """
 
 from __future__ import annotations
 
 import re
 import socket
+import ssl
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from agent.core import mllp
@@ -26,7 +32,7 @@ _MSH_START = re.compile(rb"(?:^|\r)(?=MSH)")
 def split_messages(data: bytes) -> list[bytes]:
     """Messages in a file: MLLP-framed, or plain text split at lines starting ``MSH``.
 
-    Plain text gets ``\\n``/``\\r\\n`` turned into ``\\r`` (SPEC 2).
+    Plain text gets ``\\n``/``\\r\\n`` turned into ``\\r`` (HL7 segments end with CR).
     """
     data = data.removeprefix(_UTF8_BOM)  # files saved by Windows editors
     if mllp.START_BLOCK in data:
@@ -62,6 +68,59 @@ class AckTimeout(Exception):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class ClientTls:
+    """``send --tls``: whom to trust (``ca``: a PEM bundle; None: the system store) and who we are."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def context(self) -> ssl.SSLContext:
+        """Verifying context (certificate and host name, TLS 1.2+); OSError/SSLError on a bad file."""
+        context = ssl.create_default_context(cafile=self.ca)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.cert is not None:
+            context.load_cert_chain(self.cert, self.key)
+        return context
+
+
+def _tls_error(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"certificate verify failed: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError):
+        return (exc.reason or str(exc)).lower().replace("_", " ")
+    return str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
+
+
+def _connect(host: str, port: int, timeout: float, tls: ClientTls | None) -> socket.socket | None:
+    """A connected socket (TLS-wrapped when asked), or None after one line on stderr."""
+    context = None
+    if tls is not None:
+        try:
+            context = tls.context()
+        except (OSError, ValueError) as exc:  # a missing or unreadable --ca/--cert/--key
+            which = "--ca" if tls.cert is None else "--ca/--cert/--key"
+            print(f"hl7-agent: send: cannot load {which}: {_tls_error(exc)}", file=sys.stderr)
+            return None
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        print(f"hl7-agent: send: cannot connect to {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if context is None:
+        return sock
+    try:
+        # --host is the name the certificate must carry (an IP address matches an IP SAN).
+        return context.wrap_socket(sock, server_hostname=host)
+    except (OSError, ValueError) as exc:
+        sock.close()
+        print(f"hl7-agent: send: TLS handshake with {host}:{port} failed: {_tls_error(exc)}",
+              file=sys.stderr)
+        return None
+
+
 def read_ack(sock: socket.socket, decoder: mllp.MllpDecoder, timeout: float) -> bytes:
     deadline = time.monotonic() + timeout
     while True:
@@ -80,7 +139,8 @@ def read_ack(sock: socket.socket, decoder: mllp.MllpDecoder, timeout: float) -> 
                 return event.payload
 
 
-def send_files(host: str, port: int, files: list[str], *, timeout: float = 30.0) -> int:
+def send_files(host: str, port: int, files: list[str], *, timeout: float = 30.0,
+               tls: ClientTls | None = None) -> int:
     """Send every message of every file; print each ACK; 1 if any ACK is missing or not AA/CA."""
     messages: list[tuple[str, bytes]] = []
     for name in files:
@@ -94,15 +154,12 @@ def send_files(host: str, port: int, files: list[str], *, timeout: float = 30.0)
             print(f"hl7-agent: send: no HL7 message (no line starting MSH) in {name}", file=sys.stderr)
             return 1
         messages.extend((name, m) for m in found)
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as exc:
-        print(f"hl7-agent: send: cannot connect to {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+    sock = _connect(host, port, timeout, tls)
+    if sock is None:
         return 1
     failures = 0
     decoder = mllp.MllpDecoder(64 * 1024 * 1024)
     with sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for index, (name, message) in enumerate(messages, 1):
             try:
                 sock.sendall(mllp.encode_frame(message))

@@ -1,4 +1,4 @@
-"""``hl7-agent dev-server``: a small reference server speaking protocol v1 (SPEC 2, 5).
+"""``hl7-agent dev-server``: a small reference server speaking protocol v1 (docs/protocol.md).
 
 For trying the agent and for tests, not for production; it shares no code
 with the agent's dispatch path beyond the frame definitions in
@@ -22,6 +22,11 @@ frames are dropped unrecorded, even those already on the wire: the close
 handshake takes a round trip a frozen agent may never make. A hello without
 ``epoch`` is accepted and not tracked, so the previous agent version keeps
 working against this server during an upgrade overlap.
+
+One module of about 500 lines on purpose: it is the reference implementation
+a server team reads from top to bottom (docs/protocol.md#reference-implementation),
+and its parts (authentication, the epoch rules, the answers) only make sense
+together.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from agent.core.acks import AckCode, build_ack
 from agent.core.addresses import format_peer
 from agent.core.envelope import read_msh
 from agent.core.protocol import (
+    EPOCH_REFUSED,
     PROTOCOL_VERSION,
     ErrorMessage,
     Hello,
@@ -63,8 +69,6 @@ log = structlog.get_logger(__name__)
 #: Accept frames up to 64 MiB: comfortably above 6 x any sane max_message_bytes.
 DEFAULT_MAX_SIZE = 64 * 1024 * 1024
 TOKEN_ENV = "HL7_AGENT_DEV_TOKEN"  # noqa: S105 - the name of a variable, not a secret
-#: Protocol v1 close code for a stale lease epoch (RFC 6455 section 7.4.2: private use).
-EPOCH_REFUSED = 4001
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +225,7 @@ class DevServer:
     # -- HTTP upgrade ------------------------------------------------------------
 
     def _authorize(self, connection: ServerConnection, request: Request) -> Response | None:
-        """SPEC 5: ``Authorization: Bearer <token>``, else HTTP 401."""
+        """``Authorization: Bearer <token>``, else HTTP 401 (docs/protocol.md#transport-and-authentication)."""
         if self.token is None:
             return None
         given = request.headers.get("Authorization", "")
@@ -376,7 +380,11 @@ class DevServer:
 
     async def _expect_hello(self, ws: ServerConnection, peer: str) -> Hello | None:
         try:
-            message = parse_client_frame(await asyncio.wait_for(ws.recv(), self.hello_timeout))
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can lose a
+            # cancellation (see agent.runtime.aio), and stop() cancels this handler.
+            async with asyncio.timeout(self.hello_timeout):
+                frame = await ws.recv()
+            message = parse_client_frame(frame)
         except TimeoutError:
             await ws.close(1002, "no hello")
             return None
@@ -414,7 +422,7 @@ class DevServer:
     async def _on_transmit(self, ws: ServerConnection, t: Transmit) -> None:
         remembered = self.answered.get(t.id) if self.replay else None
         if remembered is not None:
-            # SPEC 5: a replayed answer carries the current attempt.
+            # A replayed answer carries the current attempt (docs/protocol.md#the-replay-rule).
             response = replace(remembered, attempt=t.attempt)
         else:
             try:

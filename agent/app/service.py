@@ -10,6 +10,9 @@ A second signal skips the waiting: connections are cut and the dispatcher
 cancelled, but every job already handed to the writer is still committed, so
 nothing that got an accept ACK is lost (inflight rows are recovered by the
 next lease holder, docs/queue.md#recovery).
+
+Over 400 lines on purpose: the start order and the stop order are read, and
+reviewed, side by side in this one class.
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from agent import __version__
+from agent.app import overlap
 from agent.app.config import Settings
-from agent.errors import AdminListenInUse, LocalError, StorageError
-from agent.runtime import adoption, sockets
+from agent.app.preflight import data_dir_problem, log_start_failure
+from agent.core.timefmt import rfc3339
+from agent.errors import AdminListenInUse, ConfigError, StartupError, StorageError
+from agent.runtime import adoption, audit, sockets
 from agent.runtime.admin import AdminServer, LoopHeartbeat, RuntimeView
 from agent.runtime.aio import cancel_and_wait, unless
 from agent.runtime.metrics import AgentMetrics
@@ -75,13 +81,24 @@ class Agent:
         self.dispatcher: Dispatcher | None = None
         self.tasks: list[asyncio.Task[None]] = []
         self._signals = 0
+        #: Set when the configured admin address was taken at start and is not ours yet.
+        self._admin_pending = False
 
     # -- start ---------------------------------------------------------------
 
     def _open_database(self) -> None:
         s = self.settings
+        problem = data_dir_problem(s.agent.data_dir)
+        if problem is not None:
+            raise StartupError(problem.message(), key="agent.data_dir", path=str(problem.path),
+                               error=problem.error)
         options = db_options(s.queue)
-        conn = db.open_database(s.db_path, s.agent.id, options, time.time())
+        try:
+            conn = db.open_database(s.db_path, s.agent.id, options, time.time())
+        except (OSError, StorageError) as exc:
+            error = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
+            raise StartupError(f"agent.data_dir: {error}", key="agent.data_dir", path=str(s.db_path),
+                               error=error) from exc
         self.writer = Writer(make_store(conn, s.db_path, s.queue))
         self.writer.start()
         self.reader = Reader(make_store(db.connect(s.db_path, options, create=False), s.db_path, s.queue))
@@ -133,7 +150,7 @@ class Agent:
             if handed:
                 log.info("listeners_received_by_handover", channels=sorted(set(handed) & missing))
         reuse_port = self.settings.agent.reuse_port
-        for channel in self.settings.channels:
+        for index, channel in enumerate(self.settings.channels):
             if channel.name in found:
                 continue
             if reuse_port and not sockets.tcp_migrate_req_enabled():
@@ -150,8 +167,10 @@ class Agent:
             except OSError as exc:
                 # A runtime failure (exit 1), not a configuration error: the
                 # same config works once the port is free.
-                raise LocalError(
-                    f"channels.{channel.name}.listen: cannot listen on {channel.listen}: {exc.strerror or exc}"
+                error = exc.strerror or str(exc)
+                raise StartupError(
+                    f"channels.{channel.name}.listen: cannot listen on {channel.listen}: {error}",
+                    key=f"channels[{index}].listen", error=error,
                 ) from exc
         sockets.store_listeners(to_store)
         return found
@@ -163,6 +182,10 @@ class Agent:
 
         def recent_failures(limit: int) -> list[dict[str, Any]]:
             rows = reader.call_blocking(SqliteStore.recent_failures, limit)
+            return [dataclasses.asdict(row) for row in rows]
+
+        def channel_activity(channels: list[str]) -> list[dict[str, Any]]:
+            rows = reader.call_blocking(SqliteStore.channel_activity, channels)
             return [dataclasses.asdict(row) for row in rows]
 
         return RuntimeView(
@@ -177,6 +200,10 @@ class Agent:
             stats=lambda: reader.call_blocking(SqliteStore.stats, names),
             recent_failures=recent_failures,
             loop_age=self.heartbeat.age,
+            channel_activity=channel_activity,
+            server_acks=lambda ids: reader.call_blocking(SqliteStore.server_acks, ids),
+            live_depth=lambda: reader.call_blocking(SqliteStore.live_depth),
+            history=self.metrics.history,
         )
 
     def _db_writable(self) -> tuple[bool, str]:
@@ -192,8 +219,11 @@ class Agent:
     def _upstream_state(self) -> dict[str, Any]:
         url = self.settings.server.url
         if self.dispatcher is None:
-            return {"configured": bool(url), "connected": False, "url": url, "replay": None, "last_error": None}
-        return self.dispatcher.upstream_state()
+            return {"configured": bool(url), "connected": False, "url": url, "replay": None, "last_error": None,
+                    "since": None}
+        # "since": when the session last came up or went down (the page's "down for 3m").
+        return {**self.dispatcher.upstream_state(),
+                "since": rfc3339(self.dispatcher.upstream_changed_at(), millis=False)}
 
     async def start(self) -> None:
         s = self.settings
@@ -208,8 +238,14 @@ class Agent:
             metrics=self.metrics,
         )
         socks = await self._listening_sockets()
-        for channel in s.channels:
-            listener = ChannelListener(channel, socks[channel.name], ctx)
+        for index, channel in enumerate(s.channels):
+            try:
+                listener = ChannelListener(channel, socks[channel.name], ctx)
+            except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: a bad certificate or key
+                error = str(exc)
+                raise StartupError(f"channels.{channel.name}.tls_cert: cannot load the certificate "
+                                   f"or its key: {error}", key=f"channels[{index}].tls_cert",
+                                   path=str(channel.tls_cert), error=error) from exc
             await listener.start()
             self.listeners.append(listener)
             host, port = socks[channel.name].getsockname()[:2]
@@ -225,15 +261,7 @@ class Agent:
         await self._start_adoption(ctx)
         self.metrics.bind_stats(self._view().stats)
         self.tasks.append(asyncio.create_task(self._supervise(self.heartbeat.run(), "heartbeat")))
-        if s.admin.listen:
-            admin = AdminServer(s.admin.listen, self._view(), self.metrics)
-            try:
-                admin.start()
-                self.admin = admin
-            except AdminListenInUse as exc:
-                # Intake matters more than metrics: an overlapping version that
-                # was not given its own admin address still takes messages.
-                log.error("admin_unavailable", error=str(exc))
+        self._start_admin()
         if s.server.url:
             from agent.runtime.dispatcher import Dispatcher  # the dispatcher pulls in websockets
 
@@ -247,7 +275,12 @@ class Agent:
                     log.warning("application_ack_without_upstream", channel=channel.name,
                                 hint="senders get AR after application_ack_timeout until [server] url is set")
         self.tasks.append(asyncio.create_task(self._supervise(self._maintenance(), "maintenance")))
+        self.tasks.append(asyncio.create_task(self._supervise(
+            audit.log_operator_actions(self.writer, self.reader), "operator_actions")))
         self.tasks.append(asyncio.create_task(self._supervise(self._watchdog(), "watchdog")))
+        watch = overlap.watch_overlap(self._other_instance, grace=overlap.overlap_grace(s.agent.shutdown_budget),
+                                      stopping=self.stop_requested, data_dir=s.agent.data_dir)
+        self.tasks.append(asyncio.create_task(self._supervise(watch, "overlap")))
         self.notifier.ready(status=self._status_line())
         log.info(
             "agent_started",
@@ -257,6 +290,53 @@ class Agent:
             db=str(s.db_path),
             upstream=s.server.url,
         )
+
+    def _start_admin(self) -> None:
+        """Bind the admin address; when another process holds it, keep trying in the background.
+
+        Intake matters more than metrics: an overlapping version that was not
+        given its own admin address still takes messages, and binds the
+        address as soon as the other process lets it go, so the survivor of
+        an overlap is monitored (``health``, metrics, the page) at the usual
+        address.
+        """
+        listen = self.settings.admin.listen
+        if not listen:
+            return
+        admin = AdminServer(listen, self._view(), self.metrics)
+        try:
+            admin.start()
+        except AdminListenInUse as exc:
+            log.error("admin_unavailable", error=str(exc),
+                      hint="bound as soon as the other process frees it; give each overlapping "
+                           "version its own HL7_AGENT_ADMIN__LISTEN")
+            self._admin_pending = True
+
+            def bound(ok: bool) -> None:
+                self._admin_pending = False
+                if ok:
+                    self.admin = admin
+
+            task = overlap.rebind_admin(admin, listen, bound)
+            self.tasks.append(asyncio.create_task(self._supervise(task, "admin")))
+            return
+        except ConfigError as exc:
+            raise StartupError(str(exc), key="admin.listen", error=str(exc)) from exc
+        self.admin = admin
+
+    async def _other_instance(self) -> str | None:
+        """Why another agent process is known to run on this queue now, or None."""
+        if self.handover is not None and self.handover.superseded:
+            return "the listening sockets were handed to a newer process, and this one still runs"
+        if self._admin_pending:
+            return f"the admin address {self.settings.admin.listen} is still held by another process"
+        if self.reader is not None:
+            lease = await self.reader.call(SqliteStore.lease)
+            mine = self.dispatcher.me.holder if self.dispatcher is not None else None
+            # One SQLite file is one host's: an unexpired lease of another holder is a process here.
+            if lease is not None and lease.holder != mine and lease.expires_at > time.time():
+                return f"the dispatch lease is held by {lease.holder}"
+        return None
 
     async def _start_adoption(self, ctx: IntakeContext) -> None:
         """Take live connections from a predecessor, and give ours to a successor (docs/operations.md)."""
@@ -501,8 +581,10 @@ async def run_agent(settings: Settings) -> int:
     agent.install_signal_handlers()
     try:
         await agent.start()
-    except BaseException:
+    except BaseException as exc:
         agent.exit_code = 1
+        if isinstance(exc, Exception):
+            log_start_failure(exc)
         await agent.shutdown()
         raise
     await agent.stop_requested.wait()

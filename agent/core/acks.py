@@ -3,6 +3,10 @@
 Ours rather than ``hl7.create_ack``: that one omits the ERR segment, hard-codes
 parts of the MSH and breaks on a short inbound MSH. A broken MSH must still get
 a reject ACK, so ``build_ack`` never raises on odd input.
+
+Reading an ACK is here too (``read_ack_code``, ``server_reason``): it shares
+the delimiter and escape rules with building one, which is why the module is
+somewhat over 400 lines.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ __all__ = [
     "new_control_id",
     "read_ack_code",
     "relayed_ack",
+    "server_reason",
 ]
 
 
@@ -105,15 +110,26 @@ def _version_tuple(version_id: str, component_sep: str) -> tuple[int, int, int]:
     return (int(match[1]), int(match[2]), int(match[3] or 0))
 
 
-def _timestamp(now: datetime | None) -> str:
-    """MSH-7 as HL7 DTM with time zone: YYYYMMDDHHMMSS.ffff+ZZZZ (ten-thousandths of a second)."""
+def _timestamp(now: datetime | None, delimiters: str = "") -> str:
+    """MSH-7 as HL7 DTM with time zone: YYYYMMDDHHMMSS.ffff+ZZZZ (ten-thousandths of a second).
+
+    The fraction and the zone are optional in DTM (HL7 2.5 ch. 2.A.22); a part
+    whose punctuation is one of the sender's delimiters (``.`` or ``+``/``-``
+    as a separator) is left out, so MSH-7 never splits the ACK's fields.
+    """
     if now is None:
         moment = datetime.now().astimezone()
     elif now.tzinfo is None:
         moment = now.astimezone()  # naive: taken as local time
     else:
         moment = now
-    return f"{moment:%Y%m%d%H%M%S}.{moment.microsecond // 100:04d}{moment:%z}"
+    text = f"{moment:%Y%m%d%H%M%S}"
+    if "." not in delimiters:
+        text += f".{moment.microsecond // 100:04d}"
+    zone = f"{moment:%z}"
+    if zone[:1] not in delimiters:
+        text += zone
+    return text
 
 
 def _usable_codec(codec: str) -> str:
@@ -156,6 +172,7 @@ class _Delims:
         self.repetition = effective[1]
         self.escape = effective[2]
         self.subcomponent = effective[3]
+        self.all_delimiters = field_sep + effective
         esc = self.escape
         table = {
             esc: f"{esc}E{esc}",
@@ -258,7 +275,7 @@ def build_ack(
         "MSH",
         delims.encoding_chars,
         *swapped,  # MSH-3..6
-        _timestamp(now),  # MSH-7
+        _timestamp(now, delims.all_delimiters),  # MSH-7
         "",  # MSH-8 security
         msh9,
         new_control_id() if control_id is None else delims.escape_framing(control_id),  # MSH-10
@@ -312,19 +329,21 @@ def application_ack_wanted(inbound: Envelope, success: bool) -> bool:
 
 
 def app_ack_from_status(
-    inbound: Envelope, status: int, codec: str, *, now: datetime | None = None
+    inbound: Envelope, status: int, codec: str, *, now: datetime | None = None,
+    text: str | None = None,
 ) -> bytes:
     """The application ACK for a server answer without ``ack`` (docs/acks.md#relayed-application-acks).
 
-    AA for 2xx, else AE with ERR-3 207. Enhanced-mode senders get the same codes:
-    application ACKs use AA/AE/AR, not the commit codes CA/CE/CR.
+    AA for 2xx, else AE with ERR-3 207 (MSA-3 ``text``, else the status).
+    Enhanced-mode senders get the same codes: application ACKs use AA/AE/AR,
+    not the commit codes CA/CE/CR.
     """
     if 200 <= status < 300:
         return build_ack(inbound, AckCode.AA, codec=codec, now=now)
     return build_ack(
         inbound,
         AckCode.AE,
-        text=f"rejected by the receiving system (status {status})",
+        text=text if text is not None else f"rejected by the receiving system (status {status})",
         error_code=207,
         codec=codec,
         now=now,
@@ -356,3 +375,122 @@ def read_ack_code(ack: bytes) -> str | None:
         if segment == "MSA":
             return ""
     return None
+
+
+# -- the receiving system's reason, for an operator --------------------------------
+
+#: The longest reason kept: enough for any real MSA-3/ERR text, short enough for a table cell.
+SERVER_REASON_MAX = 500
+_HEX_ESCAPE = re.compile(r"X((?:[0-9A-Fa-f]{2})+)")
+
+
+def _unescape(text: str, field: str, component: str, repetition: str, escape: str,
+              subcomponent: str) -> str:
+    """HL7 escape sequences back to text (HL7 2.5 ch. 2.7): \\F\\ \\S\\ \\T\\ \\R\\ \\E\\ \\Xhh\\ \\.br\\."""
+    if not escape or escape not in text:
+        return text
+    named = {"F": field, "S": component, "T": subcomponent, "R": repetition, "E": escape,
+             ".br": " ", "H": "", "N": ""}
+    parts = text.split(escape)
+    out = [parts[0]]
+    # Odd pieces sit between two escape characters; a lone one stays as it is.
+    index = 1
+    while index < len(parts):
+        if index + 1 < len(parts):
+            code = parts[index]
+            hexed = _HEX_ESCAPE.fullmatch(code)
+            if code in named:
+                out.append(named[code])
+            elif hexed:
+                out.append(bytes.fromhex(hexed.group(1)).decode("latin-1"))
+            elif code[:1] in ("C", "M", "Z"):
+                pass  # character set switches and local escapes: nothing to read
+            else:
+                out.append(escape + code + escape)
+            out.append(parts[index + 1])
+            index += 2
+        else:
+            out.append(escape + parts[index])
+            index += 1
+    return "".join(out)
+
+
+def server_reason(ack: str | None, *, limit: int = SERVER_REASON_MAX) -> str | None:
+    """The receiving system's own words for its answer, from the ACK it sent; None without any.
+
+    What an operator needs when a message is rejected: the texts written for
+    people come first — MSA-3 (text message), then per ERR segment ERR-8 (user
+    message) or else ERR-7 (diagnostic information), with ERR-2's location
+    (``PID-3``) when given. Only when there is no such text, the coded errors
+    stand in: ERR-5 (application error code), ERR-3 (HL7 table 0357 code), in
+    v2.1-2.4 ERR-1's code, and MSA-6. HL7 escapes are undone, control
+    (non-printable) characters become spaces, repeats are dropped, and the result is at most
+    ``limit`` (:data:`SERVER_REASON_MAX`) characters. Never raises: the ACK is the
+    server's, anything may be in it.
+    """
+    if not ack:
+        return None
+    field, enc = DEFAULT_FIELD_SEP, DEFAULT_ENCODING_CHARS
+    segments: list[list[str]] = []
+    for raw in re.split(r"\r\n|\r|\n", ack.strip("\x0b\x1c\r\n ")):
+        line = raw.strip("\x0b\x1c ")
+        if line.startswith("MSH") and len(line) > 3:
+            field = line[3]
+            enc = line[4:].split(field, 1)[0] or DEFAULT_ENCODING_CHARS
+        elif line[:3] in ("MSA", "ERR"):
+            segments.append(line.split(field))
+    chars = enc + DEFAULT_ENCODING_CHARS[len(enc):]
+    component, repetition, escape, subcomponent = chars[0], chars[1], chars[2], chars[3]
+
+    def text(value: str) -> str:
+        plain = _unescape(value, field, component, repetition, escape, subcomponent)
+        return " ".join("".join(ch if ch.isprintable() else " " for ch in plain).split())
+
+    def get(seg: list[str], n: int) -> str:
+        return seg[n] if len(seg) > n else ""
+
+    def coded(value: str, sep: str) -> str:
+        """``code^text^system`` as "code text" (either part alone when the other is empty)."""
+        parts = value.split(sep)
+        return text(" ".join(p for p in parts[:2] if p.strip()))
+
+    def location(seg: list[str]) -> str:
+        """ERR-2 (v2.5+) or ERR-1's first components (before): ``PID-3``, ``PID-3.1``."""
+        for raw in (get(seg, 2), get(seg, 1)):
+            parts = raw.split(repetition, 1)[0].split(component)
+            if len(parts) >= 3 and parts[0].strip() and parts[2].strip().isdigit():
+                where = f"{text(parts[0])}-{parts[2].strip()}"
+                if len(parts) >= 5 and parts[4].strip().isdigit():
+                    where += f".{parts[4].strip()}"
+                return where
+        return ""
+
+    said: list[str] = []
+    codes: list[str] = []
+    for seg in segments:
+        if seg[0] == "MSA":
+            said.append(text(get(seg, 3)))
+            codes.append(coded(get(seg, 6), component))
+            continue
+        where = location(seg)
+        suffix = f" (at {where})" if where else ""
+        words = [text(v) for v in get(seg, 8).split(repetition) + get(seg, 7).split(repetition)]
+        first = next((w for w in words if w), "")
+        if first:
+            said.append(first + suffix)
+        for value in (get(seg, 5), get(seg, 3)):
+            for rep in value.split(repetition):
+                if coded(rep, component):
+                    codes.append(coded(rep, component) + suffix)
+        ce = get(seg, 1).split(repetition, 1)[0].split(component)
+        if len(ce) >= 4:  # v2.1-2.4 ERR-1: segment^sequence^field^code&text&system
+            codes.append(coded(ce[3], subcomponent) + suffix)
+    pieces = list(dict.fromkeys(p for p in (said if any(said) else codes) if p))
+    # "102 Data type error" from MSA-6 says less than the same from ERR "(at PID-7)".
+    unique = [p for p in pieces if not any(o.startswith(p + " (at ") for o in pieces)]
+    if not unique:
+        return None
+    reason = "; ".join(unique)
+    if len(reason) > limit:
+        reason = reason[: limit - 1].rstrip() + "…"
+    return reason

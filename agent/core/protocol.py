@@ -1,4 +1,4 @@
-"""Upstream protocol v1: the JSON frames exchanged with the server (SPEC 5).
+"""Upstream protocol v1: the JSON frames exchanged with the server (docs/protocol.md).
 
 Pure: plain dataclasses, ``to_json()`` on each, and strict parsers. The asyncio
 link (``agent.runtime.upstream``) and the reference server (``agent.app.devserver``) only
@@ -18,30 +18,47 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, TypeAlias
+from enum import StrEnum
+from typing import Any, TypeAlias
 
 from agent.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 
-#: Headroom for the JSON envelope around ``body`` (SPEC 5: "+ 64 KiB").
+#: Headroom for the JSON envelope around ``body`` (docs/protocol.md#size-limits: "+ 64 KiB").
 FRAME_OVERHEAD_BYTES = 64 * 1024
 #: Worst case JSON escaping of one body byte: a control character becomes
-#: ``\\u00XX`` (RFC 8259 section 7), six bytes (SPEC 5: "6 x").
+#: ``\\u00XX`` (RFC 8259 section 7), six bytes (docs/protocol.md#size-limits: "6 x").
 ESCAPE_FACTOR = 6
 
-StatusClass: TypeAlias = Literal["processed", "rejected", "transient"]
+#: Close codes (docs/protocol.md#close-codes). RFC 6455 section 7.1.5: with no
+#: Close frame received, the close code is 1006; section 7.4.1: 1009 is
+#: "message too big"; section 7.4.2: 4000-4999 are private use, and protocol
+#: v1's 4001 says the server has seen a higher lease epoch for this agent and
+#: queue, so the session's holder is stale.
+ABNORMAL_CLOSURE = 1006
+MESSAGE_TOO_BIG = 1009
+EPOCH_REFUSED = 4001
+
+
+
+class StatusClass(StrEnum):
+    """What a transmit_response status means for the row (docs/protocol.md#status-classes)."""
+
+    PROCESSED = "processed"  # 2xx: settle processed
+    REJECTED = "rejected"  # 4xx except 429: rejected for good, never retried
+    TRANSIENT = "transient"  # 5xx, 429 and anything v1 gives no meaning: retry with backoff
 
 
 def _dumps(obj: Mapping[str, Any]) -> str:
     # ensure_ascii=False keeps non-ASCII text at its UTF-8 size (2-4 bytes)
-    # instead of \uXXXX (6-12 bytes), so the 6x bound of SPEC 5 holds.
+    # instead of \uXXXX (6-12 bytes), so the 6x bound of the size limits holds.
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """agent -> server, first frame after the WebSocket opens (SPEC 5 step 1).
+    """agent -> server, first frame after the WebSocket opens (docs/protocol.md#hello).
 
     ``epoch`` is the dispatch lease epoch this session dispatches under and
     ``queue_id`` the UUID of the queue database: a server that tracks epochs
@@ -83,7 +100,7 @@ class Welcome:
 
 @dataclass(frozen=True, slots=True)
 class Transmit:
-    """agent -> server, one queued message (SPEC 5 step 3).
+    """agent -> server, one queued message (docs/protocol.md#transmit).
 
     ``id`` never changes across retries, restarts and upgrades; ``attempt``
     grows with each send so answers can be matched to the send they answer.
@@ -120,7 +137,7 @@ class Transmit:
 
 @dataclass(frozen=True, slots=True)
 class TransmitResponse:
-    """server -> agent, the answer to one transmit attempt (SPEC 5 step 4)."""
+    """server -> agent, the answer to one transmit attempt (docs/protocol.md#transmit_response)."""
 
     id: str
     attempt: int
@@ -141,7 +158,7 @@ class TransmitResponse:
 
 @dataclass(frozen=True, slots=True)
 class ErrorMessage:
-    """Either direction: a human-readable complaint; never fatal by itself (SPEC 5 step 5)."""
+    """Either direction: a human-readable complaint; never fatal by itself (docs/protocol.md#error)."""
 
     message: str
 
@@ -186,7 +203,7 @@ def _bool(obj: Mapping[str, Any], key: str, kind: str) -> bool:
 
 
 def _opt_str(obj: Mapping[str, Any], key: str, kind: str) -> str | None:
-    # "ack may be null" (SPEC 5): an absent key is read as null too.
+    # "ack may be null" (docs/protocol.md#the-ack-field): an absent key is read as null too.
     value = obj.get(key)
     if value is not None and not isinstance(value, str):
         raise ProtocolError(f"{kind} field {key!r} must be a string or null")
@@ -210,7 +227,7 @@ def _reject_constant(name: str) -> Any:
 
 def _load(text: str | bytes) -> tuple[str, dict[str, Any]]:
     if isinstance(text, bytes):
-        # Protocol v1 uses text frames only (SPEC 5).
+        # Protocol v1 uses text frames only (docs/protocol.md#frames).
         raise ProtocolError("binary frame received; protocol v1 uses JSON text frames")
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
@@ -311,7 +328,7 @@ def parse_server_frame(text: str | bytes) -> ServerMessage:
 
 
 def parse_client_frame(text: str | bytes) -> ClientMessage:
-    """Read one frame an agent sent to the server (the dev server's side of SPEC 5)."""
+    """Read one frame an agent sent to the server (the dev server's side of the protocol)."""
     kind, obj = _load(text)
     reader = _CLIENT_FRAMES.get(kind)
     if reader is None:
@@ -323,27 +340,21 @@ def parse_client_frame(text: str | bytes) -> ClientMessage:
 
 
 def classify_status(status: int) -> StatusClass:
-    """Map a transmit_response status to what the dispatcher does with the row (SPEC 5, 6)."""
+    """Map a transmit_response status to what the dispatcher does with the row (docs/protocol.md#status-classes)."""
     if 200 <= status <= 299:
-        return "processed"
+        return StatusClass.PROCESSED
     if status == 429 or 500 <= status <= 599:
-        return "transient"
+        return StatusClass.TRANSIENT
     if 400 <= status <= 499:
-        return "rejected"
+        return StatusClass.REJECTED
     # 1xx, 3xx, 0 or >= 600 mean nothing in protocol v1. Rejecting would drop
     # the message for good on what is most likely a server bug, and "processed"
     # would claim a delivery nobody confirmed; retrying is the only choice that
     # never loses a message (max_attempts still bounds it).
-    return "transient"
+    return StatusClass.TRANSIENT
 
 
 def max_frame_bytes(largest_max_message_bytes: int) -> int:
-    """Largest frame either side accepts: 6 x the largest max_message_bytes + 64 KiB (SPEC 5)."""
+    """Largest frame either side accepts: 6 x the largest max_message_bytes + 64 KiB (docs/protocol.md#size-limits)."""
     return ESCAPE_FACTOR * largest_max_message_bytes + FRAME_OVERHEAD_BYTES
-
-
-def transmit_size(t: Transmit) -> int:
-    """Size in bytes of the WebSocket payload ``t`` becomes (UTF-8 of its JSON)."""
-    return len(t.to_json().encode("utf-8"))
-
 

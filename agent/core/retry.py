@@ -1,4 +1,4 @@
-"""Retry policy: capped exponential backoff with jitter (SPEC 6 "Retries").
+"""Retry policy: capped exponential backoff with jitter (docs/queue.md#retry-and-backoff).
 
 Pure, in the websockets style: whether and when to retry are plain functions
 and a generator of delays, so the asyncio callers (upstream reconnects, the
@@ -86,7 +86,7 @@ def retry_delay(
 
 
 def attempts_exhausted(attempts: int, max_attempts: int) -> bool:
-    """True once ``attempts`` sends used up ``max_attempts``; 0 means retry forever (SPEC 6)."""
+    """True once ``attempts`` sends used up ``max_attempts``; 0 means retry forever (docs/queue.md#giving-up)."""
     if max_attempts < 0:
         raise ValueError("max_attempts must be >= 0")
     return max_attempts > 0 and attempts >= max_attempts

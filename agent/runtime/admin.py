@@ -16,7 +16,9 @@ Routes (GET and HEAD; any other method is 405):
                   else 503 with a one-line reason (SPEC 7: the upgrade script waits on it)
     /metrics      Prometheus exposition (agent.runtime.metrics)
     /             the status page (agent.runtime.statuspage)
-    /status.json  the same data as JSON
+    /status.json  the same facts as JSON: the sections below, and ``assessment``
+                  (agent.core.status: each channel's state in words) and
+                  ``history`` (agent.runtime.history: the last hour per minute)
 
 It binds loopback by default (SPEC 3 `[admin] listen = "127.0.0.1:9575"`):
 the page names channels and control ids, which is operator information.
@@ -32,7 +34,6 @@ import socketserver
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar, Self
@@ -41,15 +42,25 @@ from urllib.parse import urlsplit
 import structlog
 
 from agent.core.addresses import format_listen, parse_listen
-from agent.core.timefmt import rfc3339
 from agent.errors import AdminListenInUse, ConfigError
+from agent.runtime.history import MinuteHistory
 from agent.runtime.metrics import AgentMetrics
 from agent.runtime.statuspage import render_status_page
+from agent.runtime.statusview import RECENT_FAILURES, RuntimeView, collect_view_data, reason_of
+
+__all__ = [
+    "LOOP_STALL_LIMIT",
+    "RECENT_FAILURES",
+    "AdminListenInUse",
+    "AdminServer",
+    "LoopHeartbeat",
+    "RuntimeView",
+    "collect_view_data",
+    "liveness",
+    "readiness",
+]
 
 log = structlog.get_logger(__name__)
-
-#: How many failed/rejected rows the status page and /status.json show.
-RECENT_FAILURES = 20
 
 #: Seconds a client may take to send its request before its thread gives up
 #: (a stuck or slow client must not hold a handler thread forever).
@@ -67,6 +78,10 @@ LOOP_STALL_LIMIT = 5.0
 
 #: How often the event loop refreshes its heartbeat (seconds).
 HEARTBEAT_INTERVAL = 0.5
+
+#: How often the admin server samples the queue's depth for the page's history
+#: (seconds): four samples a minute, each one count over the live-row index.
+DEPTH_SAMPLE_INTERVAL = 15.0
 
 #: Largest request body read (and dropped) before answering 405.
 _MAX_DRAIN = 64 * 1024
@@ -109,66 +124,6 @@ class LoopHeartbeat:
             await asyncio.sleep(interval)
 
 
-@dataclass
-class RuntimeView:
-    """What the daemon shows the admin endpoint; every callable is thread-safe."""
-
-    agent_id: str
-    version: str
-    started_at: float
-    listeners_up: Callable[[], bool]
-    db_writable: Callable[[], tuple[bool, str]]
-    upstream_state: Callable[[], dict[str, Any]]
-    lease_held: Callable[[], bool]
-    stats: Callable[[], dict[str, Any]]
-    recent_failures: Callable[[int], list[dict[str, Any]]]
-    #: Seconds since the event loop's last heartbeat; None: no loop to watch.
-    loop_age: Callable[[], float] | None = None
-
-
-def _reason(exc: BaseException) -> str:
-    """A one-line, body-free description of a failed view call."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}"[:200] if text else type(exc).__name__
-
-
-
-
-def collect_view_data(view: RuntimeView, now: float | None = None) -> dict[str, Any]:
-    """The `/status.json` document; a failing section is None plus a reason.
-
-    The page must still render when the database is gone — that is exactly
-    when an operator opens it.
-    """
-    now = time.time() if now is None else now
-    errors: dict[str, str] = {}
-
-    def guarded(section: str, call: Callable[[], Any]) -> Any:
-        try:
-            return call()
-        except Exception as exc:  # noqa: BLE001 — shown on the page, never a 500
-            log.warning("admin_view_failed", section=section, error=type(exc).__name__)
-            errors[section] = _reason(exc)
-            return None
-
-    data: dict[str, Any] = {
-        "agent_id": view.agent_id,
-        "version": view.version,
-        "started_at": rfc3339(view.started_at, millis=False),
-        "generated_at": rfc3339(now, millis=False),
-        "uptime_s": max(0.0, round(now - view.started_at, 3)),
-        "listeners_up": guarded("listeners", view.listeners_up),
-        "upstream": guarded("upstream", view.upstream_state),
-        "lease_held": guarded("lease_held", view.lease_held),
-        "stats": guarded("stats", view.stats),
-        "recent_failures": guarded(
-            "recent_failures", lambda: view.recent_failures(RECENT_FAILURES)
-        ),
-    }
-    data["errors"] = errors
-    return data
-
-
 def liveness(view: RuntimeView, limit: float = LOOP_STALL_LIMIT) -> tuple[bool, str]:
     """Live = the event loop beat less than ``limit`` seconds ago (one-line reason)."""
     if view.loop_age is None:
@@ -176,7 +131,7 @@ def liveness(view: RuntimeView, limit: float = LOOP_STALL_LIMIT) -> tuple[bool, 
     try:
         age = view.loop_age()
     except Exception as exc:  # noqa: BLE001 — a failing probe means not live
-        return False, f"unhealthy: loop heartbeat unreadable ({_reason(exc)})"
+        return False, f"unhealthy: loop heartbeat unreadable ({reason_of(exc)})"
     if age >= limit:
         return False, f"unhealthy: event loop stuck for {age:.1f}s (limit {limit:g}s)"
     return True, "ok"
@@ -188,11 +143,11 @@ def readiness(view: RuntimeView) -> tuple[bool, str]:
         if not view.listeners_up():
             return False, "not ready: MLLP listeners are not up"
     except Exception as exc:  # noqa: BLE001 — a failing probe means not ready
-        return False, f"not ready: listener check failed ({_reason(exc)})"
+        return False, f"not ready: listener check failed ({reason_of(exc)})"
     try:
         writable, why = view.db_writable()
     except Exception as exc:  # noqa: BLE001
-        return False, f"not ready: database check failed ({_reason(exc)})"
+        return False, f"not ready: database check failed ({reason_of(exc)})"
     if not writable:
         detail = " ".join(str(why).split()) or "no reason given"
         return False, f"not ready: database not writable ({detail})"
@@ -379,6 +334,8 @@ class AdminServer:
         self._loop_stall_limit = loop_stall_limit
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._sampler: threading.Thread | None = None
+        self._sampler_stop = threading.Event()
         metrics.set_info(agent_id=view.agent_id, version=view.version)
         metrics.bind_stats(view.stats)
 
@@ -410,7 +367,24 @@ class AdminServer:
             daemon=True,
         )
         self._thread.start()
+        live_depth, history = self._view.live_depth, self._view.history
+        if live_depth is not None and history is not None:
+            self._sampler_stop.clear()
+            self._sampler = threading.Thread(
+                target=self._sample_depth, args=(live_depth, history), name="admin-depth", daemon=True
+            )
+            self._sampler.start()
         log.info("admin_listening", listen=format_listen(*self.address))
+
+    def _sample_depth(self, live_depth: Callable[[], int], history: MinuteHistory) -> None:
+        """The queue's depth into the page's history, every DEPTH_SAMPLE_INTERVAL, until stop()."""
+        while True:
+            try:
+                history.note_depth(live_depth())
+            except Exception as exc:  # noqa: BLE001 - a gap in the plot, never a dead thread
+                log.debug("admin_depth_sample_failed", error=type(exc).__name__)
+            if self._sampler_stop.wait(DEPTH_SAMPLE_INTERVAL):
+                return
 
     @property
     def address(self) -> tuple[str, int]:
@@ -422,10 +396,13 @@ class AdminServer:
 
     def stop(self) -> None:
         """Stop serving and close the socket; safe to call twice or before start."""
-        server, thread = self._server, self._thread
-        self._server = self._thread = None
+        server, thread, sampler = self._server, self._thread, self._sampler
+        self._server = self._thread = self._sampler = None
         if server is None:
             return
+        self._sampler_stop.set()
+        if sampler is not None:
+            sampler.join(timeout=5.0)
         server.shutdown()
         server.server_close()
         if thread is not None:

@@ -11,6 +11,9 @@ Two kinds of metric live here:
 - queue gauges, read at scrape time from the ``queue stats --json`` shape
   (SPEC 2) through a bound callable, so the numbers are the database's, shared
   by every process on the file, not one process's guess.
+
+The same two events also feed ``history`` (agent.runtime.history): messages in
+and out per minute over the last hour, for the status page's plots.
 """
 
 from __future__ import annotations
@@ -20,14 +23,21 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agent import __version__
 from agent.runtime import logs
+from agent.runtime.history import MinuteHistory
 
 log = structlog.get_logger(__name__)
+
+# No ``<counter>_created`` / ``<histogram>_created`` series: each is a start
+# timestamp per label set, which nobody graphs or alerts on and which doubles
+# the series a scrape carries. prometheus-client's switch is process-wide; the
+# daemon has no other registry it could matter to.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 #: Dispatch latency buckets, 5 ms .. 60 s: a LAN server answers in milliseconds,
 #: an application-ACK round trip through an EHR can take tens of seconds, and
@@ -252,6 +262,8 @@ class AgentMetrics:
             registry=r,
         )
         self._info_lock = threading.Lock()
+        #: The last hour per minute, for the status page's plots (not exported).
+        self.history = MinuteHistory()
         self._stats = _QueueStatsCollector()
         r.register(self._stats)
         r.register(_LogSinkCollector())
@@ -274,6 +286,7 @@ class AgentMetrics:
     def message_committed(self, channel: str) -> None:
         """A row was committed and its accept ACK sent."""
         self._committed.labels(channel=channel).inc()
+        self.history.count_in()
 
     def message_rejected(self, channel: str, code: str) -> None:
         """A non-accept ACK was sent at intake (``code`` is MSA-1: AE/AR/CE/CR)."""
@@ -282,6 +295,7 @@ class AgentMetrics:
     def message_settled(self, channel: str, state: str) -> None:
         """A row reached ``processed``/``rejected``/``failed`` from upstream's answer."""
         self._settled.labels(channel=channel, state=state).inc()
+        self.history.count_out()
 
     def observe_dispatch_latency(self, channel: str, seconds: float) -> None:
         """Transmit written → transmit_response received, in seconds."""

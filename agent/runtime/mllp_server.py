@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from agent.core.addresses import format_peer
 from agent.core.intake import MAX_PIPELINED_FRAMES
 from agent.core.intake_types import NOTHING_OWED, ChannelPolicy, Owed
-from agent.runtime.mllp_connection import Connection
+from agent.runtime.mllp_connection import Connection, source_address
 from agent.runtime.relay import AckRelay
 from agent.runtime.sockets import guard_listener
+from agent.runtime.tls import HandshakeFailures, TlsAccept
 from agent.storage.writer import Writer
 
 if TYPE_CHECKING:
@@ -100,6 +102,9 @@ class ChannelListener:
         self._refusals: dict[str, tuple[float, int]] = {}
         self._ssl = build_server_ssl(channel)
         self.log = log.bind(channel=channel.name)
+        self._handshake_failures = HandshakeFailures(self.log)
+        #: TLS handshakes under way, and their raw transports (closed with the connections).
+        self._handshakes: dict[asyncio.Task[None], asyncio.Transport] = {}
 
     async def start(self) -> None:
         # The listener may be shared with other processes (systemd, a
@@ -108,12 +113,34 @@ class ChannelListener:
         self.sock = guard_listener(self.sock)
         # asyncio calls listen() again: keep the shared socket's deep backlog
         # (a successor shares this accept queue during an upgrade).
+        # TLS is started per connection (TlsAccept), not by create_server:
+        # asyncio drops a failed server handshake without a word.
+        factory = self._protocol if self._ssl is None else self._tls_protocol
         self._server = await asyncio.get_running_loop().create_server(
-            self._protocol, sock=self.sock, ssl=self._ssl, backlog=LISTEN_BACKLOG
+            factory, sock=self.sock, backlog=LISTEN_BACKLOG
         )
 
     def _protocol(self) -> Connection:
         return Connection(self)
+
+    def _tls_protocol(self) -> TlsAccept:
+        assert self._ssl is not None
+        return TlsAccept(self, self._ssl)
+
+    def handshake_started(self, task: asyncio.Task[None], transport: asyncio.Transport) -> None:
+        self._handshakes[task] = transport
+        task.add_done_callback(self._handshakes.pop)
+
+    def _drop_handshakes(self) -> None:
+        """A connection still in its TLS handshake has been owed nothing yet: close it."""
+        for task, transport in list(self._handshakes.items()):
+            task.cancel()
+            transport.abort()
+
+    def tls_failed(self, peer: Any, exc: BaseException) -> None:
+        """A TLS handshake failed: logged (rate-limited per source) and counted."""
+        self._handshake_failures.failed(source_address(peer), format_peer(peer), exc)
+        self._count_refusal("tls_handshake")
 
     @property
     def serving(self) -> bool:
@@ -131,6 +158,7 @@ class ChannelListener:
 
     def close_connections(self) -> None:
         """Ask every connection to close after the message it is reading (docs/deploy.md)."""
+        self._drop_handshakes()
         for conn in list(self.connections):
             conn.request_close()
 
@@ -139,6 +167,7 @@ class ChannelListener:
         await self._no_connections.wait()
 
     def abort_connections(self) -> None:
+        self._drop_handshakes()
         for conn in list(self.connections):
             conn.abort()
 
@@ -171,13 +200,16 @@ class ChannelListener:
 
     def admit(self, conn: Connection, peer: Any) -> bool:
         """Whether a new sender may connect: its source allowed, and room made for it."""
-        if not self._source_allowed(peer):
-            self.log.warning("connection_refused_source", peer=conn.remote)
-            self._count_refusal("source_not_allowed")
+        if not self.source_allowed(peer):
+            self.refuse_source(peer)
             return False
         return self._admit(conn.source, conn.remote)
 
-    def _source_allowed(self, peer: Any) -> bool:
+    def refuse_source(self, peer: Any) -> None:
+        self.log.warning("connection_refused_source", peer=format_peer(peer))
+        self._count_refusal("source_not_allowed")
+
+    def source_allowed(self, peer: Any) -> bool:
         if not self._allowed:
             return True
         try:

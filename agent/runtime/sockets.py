@@ -593,6 +593,12 @@ class HandoverServer:
     def _path_identity(self) -> tuple[int, int] | None:
         return path_identity(self.path)
 
+    @property
+    def superseded(self) -> bool:
+        """A successor took our listeners and publishes its own server at ``path`` now."""
+        current = self._path_identity()
+        return self.handed_over.is_set() and current is not None and current != self._identity
+
     async def _watch(self) -> None:
         """Publish our server again when ``path`` vanished.
 

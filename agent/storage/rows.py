@@ -17,21 +17,26 @@ from agent.core.states import AckOutcome, State
 __all__ = [
     "AckMode",
     "AuditItem",
+    "ChannelActivity",
     "ChannelFlags",
     "HeadRow",
     "IntakeItem",
     "IntakeOutcome",
     "IntakeResult",
+    "LastSettled",
     "Lease",
     "LeaseRow",
     "ListedRow",
     "LiveCount",
+    "OperatorAction",
     "RecentFailure",
     "RedriveOutcome",
     "ResultRow",
     "RowFilter",
     "RowPlace",
+    "SetAsideOutcome",
     "StateCount",
+    "StatusHead",
     "StoredRow",
     "build",
 ]
@@ -203,6 +208,8 @@ class ListedRow:
     updated_at: float
     encoding: str | None
     body: bytes | None
+    error_text: str | None = None
+    server_reason: str | None = None
 
     def __post_init__(self) -> None:
         _as_state(self)
@@ -243,6 +250,8 @@ class StoredRow:
     sent_at: float | None
     settled_at: float | None
     updated_at: float
+    #: The receiving system's own words (agent.core.acks.server_reason), schema 2.
+    server_reason: str | None = None
 
     def __post_init__(self) -> None:
         _as_state(self)
@@ -291,7 +300,12 @@ class LiveCount:
 
 @dataclass(frozen=True)
 class RecentFailure:
-    """A failed or rejected row for the status page (no body)."""
+    """A failed or rejected row for the status page (no body).
+
+    ``server_reason``: the receiving system's own words for its answer (MSA-3,
+    ERR texts), None when it gave none or never answered; ``server_status``
+    its last status.
+    """
 
     id: str
     channel: str
@@ -302,6 +316,8 @@ class RecentFailure:
     error_text: str | None
     attempts: int
     updated_at: float
+    server_status: int | None = None
+    server_reason: str | None = None
 
     def __post_init__(self) -> None:
         _as_state(self)
@@ -320,3 +336,83 @@ class RedriveOutcome:
     result: Literal["moved", "would_move", "missing", "refused", "changed"]
     state: State | None = None
     channel: str | None = None
+
+
+# -- out: the status page ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StatusHead:
+    """A channel's head as the status page shows it: where it stands and its last error, no body."""
+
+    id: str
+    seq: int
+    state: State
+    attempts: int
+    redrive_base: int
+    next_attempt_at: float
+    server_status: int | None
+    error_code: str | None
+    error_text: str | None
+    received_at: float
+    updated_at: float
+
+    def __post_init__(self) -> None:
+        _as_state(self)
+
+
+@dataclass(frozen=True)
+class LastSettled:
+    """The row a channel delivered last: how it ended and when."""
+
+    state: State
+    settled_at: float | None
+
+    def __post_init__(self) -> None:
+        _as_state(self)
+
+
+@dataclass(frozen=True)
+class ChannelActivity:
+    """What a channel is doing, for the status page: head, last in, last out, pause."""
+
+    channel: str
+    head: StatusHead | None
+    last_received_at: float | None
+    last_settled: LastSettled | None
+    paused: bool
+    paused_at: float | None
+    paused_reason: str | None
+
+
+@dataclass(frozen=True)
+class SetAsideOutcome:
+    """What ``queue fail ID`` did to one row.
+
+    ``result``: ``moved`` (now failed); ``missing`` (no such row); ``refused``
+    (not queued at that instant — a claim won, or it is settled: ``state``
+    says what it is).
+    """
+
+    id: str
+    result: Literal["moved", "missing", "refused"]
+    state: State | None = None
+    channel: str | None = None
+    seq: int | None = None
+
+
+@dataclass(frozen=True)
+class OperatorAction:
+    """One operator command that changed the queue, as its entry stands (the audit log)."""
+
+    id: int
+    action: str
+    os_user: str
+    pid: int
+    channel: str | None
+    reason: str | None
+    rows: int
+    detail: str  # JSON object
+    status: str
+    started_at: float
+    updated_at: float

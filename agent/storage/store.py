@@ -32,11 +32,14 @@ from agent.storage.maintenance import FREE_PAGE_SLACK
 from agent.storage.rows import (
     AckMode,
     AuditItem,
+    ChannelActivity,
     HeadRow,
     IntakeItem,
     IntakeOutcome,
     IntakeResult,
     Lease,
+    OperatorAction,
+    RecentFailure,
 )
 from agent.storage.store_intake import IntakeQueries
 from agent.storage.store_operator import OperatorQueries
@@ -95,22 +98,32 @@ class QueueStore(Protocol):
         self, holder: str, epoch: int, message_id: str, attempt: int, state: str, *,
         server_status: int | None, server_ack: str | None, app_ack: bytes | None = None,
         error_code: str | None = None, error_text: str | None = None,
+        server_reason: str | None = None,
     ) -> bool: ...
     def requeue(
         self, holder: str, epoch: int, message_id: str, attempt: int, next_attempt_at: float, *,
         server_status: int | None = None, error_code: str | None = None, error_text: str | None = None,
+        server_reason: str | None = None,
     ) -> bool: ...
     def fail_live(
         self, holder: str, epoch: int, message_id: str, attempt: int, state: str, *,
         error_code: str, error_text: str, app_ack: bytes | None = None,
+        server_reason: str | None = None,
     ) -> bool: ...
     # channels, relay and stats
     def pause_channel(self, channel: str, reason: str) -> None: ...
     def resume_channel(self, channel: str) -> None: ...
     def paused_channels(self) -> set[str]: ...
     def settled_app_acks(self, ids: Sequence[str]) -> dict[str, bytes]: ...
+    def recent_failures(self, limit: int) -> list[RecentFailure]: ...
+    # the operator's audit trail
+    def take_operator_actions(self, stale_before: float) -> list[OperatorAction]: ...
     def probe_write(self) -> None: ...
     def stats(self, configured_channels: list[str] | None = None) -> dict[str, Any]: ...
+    # the status page
+    def channel_activity(self, channels: Sequence[str]) -> list[ChannelActivity]: ...
+    def live_depth(self) -> int: ...
+    def server_acks(self, ids: Sequence[str]) -> dict[str, str]: ...
 
 
 def _implements_the_interface(store: SqliteStore) -> QueueStore:
@@ -165,8 +178,11 @@ def open_operator_store(db_path: Path, queue: QueueConfig, agent_id: str, *,
     ``write=False`` sets the connection read-only (SQLite's ``query_only``) so
     a read command cannot change the file even by a bug. ``write=True`` checks
     the file belongs to ``agent_id`` first (two agents never share a queue).
-    Driver errors become StorageError; ``DatabaseLocked`` when the lock was
-    held beyond ``busy_timeout``.
+    A file of an older schema (its daemon not upgraded yet) is brought up to
+    this one by a write command — the same additive migration the daemon runs
+    at start, which the older daemon keeps working with — and refused by a
+    read command with a line saying so. Driver errors become StorageError;
+    ``DatabaseLocked`` when the lock was held beyond ``busy_timeout``.
     """
     dialect = db.SqliteDialect()
     try:
@@ -177,9 +193,18 @@ def open_operator_store(db_path: Path, queue: QueueConfig, agent_id: str, *,
         raise StorageError(f"cannot open queue database {db_path}: {exc}") from exc
     try:
         store = make_store(conn, db_path, queue)
+        version = int(db.read_meta(conn).get("schema_version", "0"))
         if write:
             db.check_owner(conn, db_path, agent_id)
+            if version < db.SCHEMA_VERSION:
+                db.migrate(conn, agent_id, time.time())
         else:
+            if version < db.SCHEMA_VERSION:
+                raise StorageError(
+                    f"the queue database {db_path} has schema {version}, this hl7-agent reads schema "
+                    f"{db.SCHEMA_VERSION}: start this version's daemon once (it upgrades the file in "
+                    "place; an older daemon keeps working on it), then try again"
+                )
             dialect.read_only(conn)
         yield store
     except dialect.Error as exc:

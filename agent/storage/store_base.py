@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent.core.states import LIVE, PURGEABLE, REDRIVABLE, RETAINED, Event, State
+from agent.core.states import LIVE, PURGEABLE, REDRIVABLE, RETAINED, SETTLED, Event, State
 from agent.storage.maintenance import Space
 from agent.storage.rows import ResultRow, build
 from agent.storage.sqlite import SqliteDialect
@@ -36,6 +36,7 @@ TRANSITION_QUERIES: dict[str, Event] = {
     "recover_claimed": Event.RECOVER,
     "op_redrive_one": Event.REDRIVE,
     "op_redrive_batch": Event.REDRIVE,
+    "op_set_aside": Event.SET_ASIDE,
 }
 
 #: The named queries that select or delete rows by a group of states, by the
@@ -50,6 +51,9 @@ GROUP_QUERIES: dict[str, frozenset[State]] = {
     "op_settled_by_channel": frozenset(PURGEABLE),
     "op_count_purgeable": frozenset(PURGEABLE),
     "op_purge_batch": frozenset(PURGEABLE),
+    "status_head": frozenset(LIVE),
+    "status_last_settled": frozenset(SETTLED),
+    "status_live_depth": frozenset(LIVE),
 }
 
 

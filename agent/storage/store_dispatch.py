@@ -138,37 +138,52 @@ class DispatchQueries(StoreBase):
         app_ack: bytes | None = None,
         error_code: str | None = None,
         error_text: str | None = None,
+        server_reason: str | None = None,
     ) -> bool:
-        """Event.SETTLE: inflight → processed/rejected/failed for exactly this attempt."""
+        """Event.SETTLE: inflight → processed/rejected/failed for exactly this attempt.
+
+        ``server_reason``: the receiving system's own words for its answer
+        (agent.core.acks.server_reason of its ACK), stored with the row.
+        """
         if state not in Event.SETTLE.targets:
             raise ValueError(f"cannot settle into {str(state)!r}")
         return self._transition(
             Event.SETTLE, "settle", holder, epoch, message_id, attempt=attempt, state=state,
             server_status=server_status, server_ack=server_ack, app_ack=app_ack,
-            error_code=error_code, error_text=error_text,
+            error_code=error_code, error_text=error_text, server_reason=server_reason,
         )
 
     def requeue(
         self, holder: str, epoch: int, message_id: str, attempt: int, next_attempt_at: float,
         *, server_status: int | None = None, error_code: str | None = None, error_text: str | None = None,
+        server_reason: str | None = None,
     ) -> bool:
-        """Event.RETRY: inflight/claimed → queued with a backoff; the row stays the channel head."""
+        """Event.RETRY: inflight/claimed → queued with a backoff; the row stays the channel head.
+
+        ``server_status``/``server_reason`` describe this attempt's answer (None: there was none).
+        """
         return self._transition(
             Event.RETRY, "requeue", holder, epoch, message_id, attempt=attempt,
             next_attempt_at=next_attempt_at, server_status=server_status, error_code=error_code,
-            error_text=error_text,
+            error_text=error_text, server_reason=server_reason,
         )
 
     def fail_live(
         self, holder: str, epoch: int, message_id: str, attempt: int, state: str,
         *, error_code: str, error_text: str, app_ack: bytes | None = None,
+        server_reason: str | None = None,
     ) -> bool:
-        """Event.GIVE_UP: a live row straight to failed/rejected (ambiguous, too big, attempts spent)."""
+        """Event.GIVE_UP: a live row straight to failed/rejected (ambiguous, too big, attempts spent).
+
+        ``server_reason`` when a server answer ended it (the last one, at
+        ``max_attempts``); None keeps what the row had.
+        """
         if state not in Event.GIVE_UP.targets:
             raise ValueError(f"fail_live cannot set {str(state)!r}")
         return self._transition(
             Event.GIVE_UP, "fail_live", holder, epoch, message_id, attempt=attempt, state=state,
             error_code=error_code, error_text=error_text, app_ack=app_ack,
+            server_reason=server_reason,
         )
 
     # -- channels ------------------------------------------------------------

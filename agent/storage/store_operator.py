@@ -5,8 +5,11 @@ file as a running daemon: every write here is one short guarded statement
 over at most a batch of rows, inside a transaction the caller keeps short
 (``store.transaction()`` per batch). The guards are in the SQL
 (``queue/sqlite/operator.sql``) whatever the caller passed: a re-drive moves
-only ``failed``/``rejected`` rows, a purge deletes only terminal rows, and no
-operator query deletes a dedupe key (docs/queue.md#operator-actions).
+only ``failed``/``rejected`` rows, a set-aside only ``queued`` ones, a purge
+deletes only terminal rows, and no operator query deletes a dedupe key
+(docs/queue.md#operator-actions). Each command that changes something also
+writes an ``operator_actions`` entry in the same transaction, which a daemon
+later logs (the audit trail; docs/operations.md).
 """
 
 from __future__ import annotations
@@ -21,16 +24,24 @@ from agent.core.timefmt import rfc3339
 from agent.storage import maintenance
 from agent.storage.liveness import holder_provably_dead
 from agent.storage.rows import (
+    ChannelActivity,
+    LastSettled,
     ListedRow,
     LiveCount,
+    OperatorAction,
     RecentFailure,
     RedriveOutcome,
     RowFilter,
     RowPlace,
+    SetAsideOutcome,
     StateCount,
+    StatusHead,
     StoredRow,
 )
 from agent.storage.store_dispatch import DispatchQueries
+
+#: Above every seq (SQLite integers are 64-bit): "before the end" for a channel with no head.
+_NO_SEQ = 2**63 - 1
 
 
 def _file_size(path: Path) -> int:
@@ -102,6 +113,43 @@ class OperatorQueries(DispatchQueries):
         self._exec("probe_write", now=repr(self.clock()))
         maintenance.check_room(self)
 
+    # -- the status page -----------------------------------------------------------
+
+    def channel_activity(self, channels: Sequence[str]) -> list[ChannelActivity]:
+        """Per channel: its head (without body), when it last received and delivered, its pause.
+
+        A few index probes per channel, whatever the queue holds: the page is
+        refreshed every few seconds on the reader the dispatcher uses too.
+        """
+        flags = {f.channel: f for f in self.channel_flags()}
+        out: list[ChannelActivity] = []
+        for name in channels:
+            head = self._row(StatusHead, "status_head", channel=name)
+            received = self._scalar("status_last_received", channel=name)
+            # Every row before the head in delivery order is settled: the one just before it
+            # went last (a re-driven head: the one before it, delivered before the re-drive).
+            before = head.seq if head is not None else _NO_SEQ
+            settled = self._row(LastSettled, "status_last_settled", channel=name, before=before)
+            flag = flags.get(name)
+            out.append(ChannelActivity(
+                channel=name,
+                head=head,
+                last_received_at=None if received is None else float(received),
+                last_settled=settled,
+                paused=bool(flag and flag.paused),
+                paused_at=flag.paused_at if flag and flag.paused else None,
+                paused_reason=flag.paused_reason if flag and flag.paused else None,
+            ))
+        return out
+
+    def live_depth(self) -> int:
+        """Rows waiting or being dispatched, every channel: the page's depth history samples it."""
+        return int(self._scalar("status_live_depth"))
+
+    def server_acks(self, ids: Sequence[str]) -> dict[str, str]:
+        """id → the server's ACK text, for those of these rows the server answered with one."""
+        return {str(r[0]): str(r[1]) for r in self._exec("status_server_acks", ids=json.dumps(list(ids)))}
+
     # -- operator reads ------------------------------------------------------------
 
     def meta(self) -> dict[str, str]:
@@ -126,13 +174,13 @@ class OperatorQueries(DispatchQueries):
     def row_place(self, message_id: str) -> RowPlace | None:
         return self._row(RowPlace, "op_row_place", id=message_id)
 
-    def resolve_id_prefix(self, text: str, min_prefix: int) -> list[str]:
-        """``[text]`` when it is a row's id; else up to two ids it starts (none if shorter than ``min_prefix``)."""
+    def resolve_id_prefix(self, text: str, min_prefix: int, limit: int = 2) -> list[str]:
+        """``[text]`` when it is a row's id; else up to ``limit`` ids it starts (none if shorter than ``min_prefix``)."""
         if self.row_place(text) is not None:
             return [text]
         if len(text) < min_prefix:
             return []
-        return [str(r[0]) for r in self._exec("op_ids_by_prefix", prefix=text)]
+        return [str(r[0]) for r in self._exec("op_ids_by_prefix", prefix=text, limit=limit)]
 
     def rows_in_state(self, state: str, channel: str | None) -> list[ListedRow]:
         """Every row in ``state`` (of ``channel``), in delivery order, without bodies."""
@@ -190,7 +238,70 @@ class OperatorQueries(DispatchQueries):
         cur = self._exec(name, state=state, channel=channel, max_rowid=up_to_rowid, limit=limit, now=now)
         return [str(r[0]) for r in cur.fetchall()]
 
+    def set_aside(self, ids: Sequence[str], now: float, *, error_code: str, error_text: str,
+                  app_acks: dict[str, bytes] | None = None) -> list[SetAsideOutcome]:
+        """Event.SET_ASIDE by id (``queue fail ID…``): queued → failed; what happened to each, in order.
+
+        The guarded UPDATE decides (only a row queued at that instant moves:
+        a claim and a set-aside never both win); the row is read afterwards
+        only to say why one did not move. ``app_acks``: the application ACK
+        owed to a waiting sender, by id, kept with the row and its dedupe key.
+        """
+        name = self._query_for(Event.SET_ASIDE, "op_set_aside")
+        acks = app_acks or {}
+        out: list[SetAsideOutcome] = []
+        for message_id in ids:
+            app_ack = acks.get(message_id)
+            moved = int(self._exec(name, id=message_id, now=now, error_code=error_code,
+                                   error_text=error_text, app_ack=app_ack).rowcount) == 1
+            place = self.row_place(message_id)
+            if place is None:
+                out.append(SetAsideOutcome(message_id, "missing"))
+                continue
+            if moved and app_ack is not None:
+                self._exec("dedupe_set_app_ack", message_id=message_id, app_ack=app_ack)
+            out.append(SetAsideOutcome(message_id, "moved" if moved else "refused", place.state,
+                                       place.channel, place.seq))
+        return out
+
     def purge(self, state: str, channel: str | None, cutoff: float, limit: int) -> int:
         """Delete at most ``limit`` terminal rows in ``state`` last updated before ``cutoff``."""
         return int(self._exec("op_purge_batch", state=state, channel=channel, cutoff=cutoff,
                               limit=limit).rowcount)
+
+    # -- the operator's audit trail ----------------------------------------------------
+
+    def record_operator_action(
+        self, action: str, *, os_user: str, pid: int, now: float, rows: int, detail: dict[str, Any],
+        channel: str | None = None, reason: str | None = None, done: bool = True,
+    ) -> int:
+        """A new ``operator_actions`` entry, in the caller's transaction (the one that made the change).
+
+        ``done=False`` for the first batch of a command that goes on in more
+        transactions (:meth:`update_operator_action` then keeps it current).
+        """
+        return int(self._scalar(
+            "op_action_insert", action=action, os_user=os_user, pid=pid, channel=channel,
+            reason=reason, rows=rows, detail=json.dumps(detail, sort_keys=True),
+            status="done" if done else "running", now=now,
+        ))
+
+    def update_operator_action(self, entry_id: int, *, now: float, rows: int, detail: dict[str, Any],
+                               status: str = "running", channel: str | None = None) -> None:
+        """The entry after one more batch (``status`` ``done`` with the last, ``interrupted`` if cut short)."""
+        self._exec("op_action_update", id=entry_id, now=now, rows=rows,
+                   detail=json.dumps(detail, sort_keys=True), status=status, channel=channel)
+
+    def operator_actions_due(self, stale_before: float) -> bool:
+        """Whether an entry waits to be logged: finished, or running but silent since ``stale_before``."""
+        return self._scalar("operator_actions_due", stale_before=stale_before) is not None
+
+    def take_operator_actions(self, stale_before: float) -> list[OperatorAction]:
+        """The entries due for the log, marked logged in this transaction (so each is logged once).
+
+        Entries logged longer ago than ``retention`` are forgotten meanwhile.
+        """
+        now = self.clock()
+        taken = self._rows(OperatorAction, "operator_actions_take", now=now, stale_before=stale_before)
+        self._exec("operator_actions_forget", cutoff=now - self.retention)
+        return sorted(taken, key=lambda entry: entry.id)

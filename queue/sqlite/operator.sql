@@ -15,7 +15,8 @@ GROUP BY channel, state
 
 -- name: op_list
 SELECT id, channel, seq, state, control_id, message_type, attempts, received_at, error_code,
-       remote, updated_at, encoding, CASE WHEN :show_body THEN body END AS body
+       remote, updated_at, encoding, CASE WHEN :show_body THEN body END AS body, error_text,
+       server_reason
 FROM messages
 WHERE (:state IS NULL OR state = :state)
   AND (:channel IS NULL OR channel = :channel)
@@ -25,7 +26,8 @@ ORDER BY received_at DESC, seq DESC
 LIMIT :limit
 
 -- name: op_ids_by_prefix
-SELECT id FROM messages WHERE id >= :prefix AND id < :prefix || '~' ORDER BY id LIMIT 2
+-- Ids are lower-case UUIDs: every id starting with :prefix sorts in [prefix, prefix || '~').
+SELECT id FROM messages WHERE id >= :prefix AND id < :prefix || '~' ORDER BY id LIMIT :limit
 
 -- name: op_row_place
 SELECT state, channel, seq FROM messages WHERE id = :id
@@ -48,12 +50,35 @@ WHERE rowid IN (
   AND state IN ('failed', 'rejected')
 RETURNING channel
 
+-- name: op_set_aside
+-- Operator set-aside (docs/queue.md#operator-actions): queued -> failed with the operator's
+-- reason, in one guarded statement: only a row that is queued at this instant moves, so a
+-- claim by the dispatcher and a set-aside never both win. The application ACK a waiting
+-- sender is owed (built by the command) is kept like a settle's; server_status and
+-- server_reason stay as the history of the last answer.
+UPDATE messages SET state = 'failed', error_code = :error_code, error_text = :error_text,
+                    app_ack = COALESCE(:app_ack, app_ack), settled_at = :now, updated_at = :now
+WHERE id = :id AND state = 'queued'
+
+-- name: op_action_insert
+-- An operator action, written in the same transaction as the change it records.
+INSERT INTO operator_actions (action, os_user, pid, channel, reason, rows, detail, status,
+                              started_at, updated_at)
+VALUES (:action, :os_user, :pid, :channel, :reason, :rows, :detail, :status, :now, :now)
+RETURNING id
+
+-- name: op_action_update
+-- The next batch of a running action, in that batch's transaction.
+UPDATE operator_actions SET rows = :rows, detail = :detail, status = :status, channel = :channel,
+                            updated_at = :now
+WHERE id = :id
+
 -- name: op_max_rowid
 SELECT coalesce(max(rowid), 0) FROM messages
 
 -- name: op_select_state
 SELECT id, channel, seq, state, control_id, message_type, attempts, received_at, error_code,
-       remote, updated_at, encoding, NULL AS body
+       remote, updated_at, encoding, NULL AS body, error_text, server_reason
 FROM messages
 WHERE state = :state AND (:channel IS NULL OR channel = :channel)
 ORDER BY channel, seq IS NULL, seq, received_at

@@ -115,18 +115,23 @@ RETURNING attempts
 -- name: settle
 UPDATE messages SET state = :state, server_status = :server_status, server_ack = :server_ack,
                     app_ack = COALESCE(:app_ack, app_ack), error_code = :error_code,
-                    error_text = :error_text, settled_at = :now, updated_at = :now
+                    error_text = :error_text, server_reason = :server_reason,
+                    settled_at = :now, updated_at = :now
 WHERE id = :id AND state = 'inflight' AND attempts = :attempt
   AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
 
 -- name: requeue
 UPDATE messages SET state = 'queued', next_attempt_at = :next_attempt_at, server_status = :server_status,
-                    error_code = :error_code, error_text = :error_text, updated_at = :now
+                    error_code = :error_code, error_text = :error_text, server_reason = :server_reason,
+                    updated_at = :now
 WHERE id = :id AND state IN ('inflight', 'claimed') AND attempts = :attempt
   AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
 
 -- name: fail_live
+-- server_reason: the last answer's reason when a server answer ended it (max_attempts),
+-- kept as it was otherwise (ambiguous, too big: no answer to read).
 UPDATE messages SET state = :state, error_code = :error_code, error_text = :error_text,
+                    server_reason = COALESCE(:server_reason, server_reason),
                     app_ack = COALESCE(:app_ack, app_ack), settled_at = :now, updated_at = :now
 WHERE id = :id AND state IN ('queued', 'claimed', 'inflight') AND attempts = :attempt
   AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
@@ -173,11 +178,13 @@ DELETE FROM messages WHERE id IN (
 SELECT id, channel, seq, state, remote, sending_app, sending_facility, control_id, message_type,
        encoding, body, body_sha256, ack_mode, accept_ack_type, application_ack_type, ack_sent,
        app_ack, ack_outcome, attempts, redrive_base, next_attempt_at, claim_epoch, server_status,
-       server_ack, error_code, error_text, received_at, claimed_at, sent_at, settled_at, updated_at
+       server_ack, error_code, error_text, received_at, claimed_at, sent_at, settled_at, updated_at,
+       server_reason
 FROM messages WHERE id = :id
 
 -- name: recent_failures
-SELECT id, channel, control_id, message_type, state, error_code, error_text, attempts, updated_at
+SELECT id, channel, control_id, message_type, state, error_code, error_text, attempts, updated_at,
+       server_status, server_reason
 FROM messages WHERE state IN ('failed', 'rejected')
 ORDER BY updated_at DESC LIMIT :limit
 
@@ -206,3 +213,19 @@ INSERT INTO meta (key, value) VALUES (:key, :value)
 
 -- name: meta_insert_if_absent
 INSERT INTO meta (key, value) VALUES (:key, :value) ON CONFLICT (key) DO NOTHING
+
+-- name: operator_actions_due
+-- Is there an operator action a daemon has not logged yet (finished, or silent for long)?
+SELECT 1 FROM operator_actions
+WHERE logged_at IS NULL AND (status <> 'running' OR updated_at < :stale_before)
+LIMIT 1
+
+-- name: operator_actions_take
+-- Marks them logged and returns them: the write lock makes each entry one process's to log.
+UPDATE operator_actions SET logged_at = :now
+WHERE logged_at IS NULL AND (status <> 'running' OR updated_at < :stale_before)
+RETURNING id, action, os_user, pid, channel, reason, rows, detail, status, started_at, updated_at
+
+-- name: operator_actions_forget
+-- Entries logged longer ago than the queue's retention.
+DELETE FROM operator_actions WHERE logged_at IS NOT NULL AND logged_at < :cutoff

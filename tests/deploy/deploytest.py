@@ -203,7 +203,7 @@ def build_release(tmp: Path, versions: tuple[str, ...] = ("1.0.0", "1.1.0")) -> 
     # Dependencies, plus what an isolated build of the project needs (Dockerfile's builder).
     subprocess.run(
         [*pip, "wheel", "--wheel-dir", str(wheelhouse), str(tree / f"hl7_agent-{versions[0]}-py3-none-any.whl"),
-         "setuptools>=68", "wheel"],
+         "setuptools>=77", "wheel"],
         check=True, capture_output=True, timeout=600,
     )
     for own in wheelhouse.glob("hl7_agent-*.whl"):

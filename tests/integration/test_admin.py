@@ -7,6 +7,7 @@ and watch the endpoint follow.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import socket
@@ -16,12 +17,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from agenttest import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.app.health import check_health, health_exit_code
 from agent.core.addresses import format_listen, parse_listen
 from agent.errors import ConfigError
 from agent.runtime.admin import AdminListenInUse, AdminServer, RuntimeView
+from agent.runtime.history import MinuteHistory
 from agent.runtime.metrics import AgentMetrics
 
 
@@ -281,6 +284,39 @@ class TestMetrics:
         assert headers["content-type"].startswith("application/openmetrics-text")
         assert body.endswith(b"# EOF\n")
 
+    def test_no_created_series_and_every_other_series_kept(
+        self, server: AdminServer, metrics: AgentMetrics
+    ) -> None:
+        """No `_created` sample in either format; every counter, histogram and gauge series stays."""
+        metrics.message_received("adt")
+        metrics.message_committed("adt")
+        metrics.message_rejected("adt", "AE")
+        metrics.message_settled("adt", "processed")
+        metrics.observe_dispatch_latency("adt", 0.02)
+        metrics.connection_opened("adt")
+        metrics.connection_refused("adt", "busy")
+        metrics.connection_evicted("adt")
+        metrics.connection_timed_out("adt", "idle")
+        metrics.audit_row_not_stored("adt")
+        names = {name for name, _labels in scrape(server)}
+        assert not [n for n in names if n.endswith("_created")]
+        expected = {
+            "hl7_agent_messages_received_total", "hl7_agent_messages_committed_total",
+            "hl7_agent_messages_rejected_total", "hl7_agent_messages_settled_total",
+            "hl7_agent_dispatch_latency_seconds_bucket", "hl7_agent_dispatch_latency_seconds_count",
+            "hl7_agent_dispatch_latency_seconds_sum", "hl7_agent_upstream_connected",
+            "hl7_agent_lease_held", "hl7_agent_connections_open",
+            "hl7_agent_connections_refused_total", "hl7_agent_connections_evicted_total",
+            "hl7_agent_connections_timed_out_total", "hl7_agent_audit_rows_not_stored_total",
+            "hl7_agent_info", "hl7_agent_stats_up", "hl7_agent_queue_depth", "hl7_agent_messages",
+            "hl7_agent_oldest_queued_age_seconds", "hl7_agent_channel_paused",
+            "hl7_agent_db_size_bytes", "hl7_agent_wal_size_bytes",
+            "hl7_agent_log_lines_dropped_total",
+        }  # fmt: skip
+        assert expected <= names, expected - names
+        _, _, body = request(server, "GET", "/metrics", headers={"Accept": "application/openmetrics-text"})
+        assert b"_created" not in body and b"hl7_agent_messages_committed_total" in body
+
     def test_two_instances_do_not_collide(self) -> None:
         """Two AgentMetrics in one process keep separate registries."""
         a, b = AgentMetrics(), AgentMetrics()
@@ -333,6 +369,49 @@ class TestStatusPage:
         assert data["upstream"]["last_error"] == "connection refused"
         assert data["lease_held"] is True and data["recent_failures"] == []
         assert data["uptime_s"] >= 192 and data["errors"] == {}
+
+
+class TestDepthSampler:
+    def test_depth_is_sampled_into_the_history_until_stop(self, runtime: FakeRuntime) -> None:
+        """The admin server samples live depth at once and on; stop() ends the sampler thread."""
+        history = MinuteHistory()
+        calls: list[int] = []
+
+        def live_depth() -> int:
+            calls.append(1)
+            return 42
+
+        view = dataclasses.replace(runtime.view(), live_depth=live_depth, history=history)
+        admin = AdminServer("127.0.0.1:0", view, AgentMetrics())
+        admin.start()
+        try:
+            wait_for(lambda: history.series()["depth"][-1] == 42, 5, what="a depth sample")
+        finally:
+            admin.stop()
+        assert not [t for t in threading.enumerate() if t.name == "admin-depth"]
+        assert len(calls) == 1  # the next one is DEPTH_SAMPLE_INTERVAL away
+
+    def test_a_failing_sample_leaves_a_gap(self, runtime: FakeRuntime) -> None:
+        """A database error while sampling is a missing point, not a dead thread or a failed page."""
+        history = MinuteHistory()
+        failed: list[int] = []
+
+        def live_depth() -> int:
+            failed.append(1)
+            raise OSError("disk I/O error")
+
+        view = dataclasses.replace(runtime.view(), live_depth=live_depth, history=history)
+        admin = AdminServer("127.0.0.1:0", view, AgentMetrics())
+        admin.start()
+        try:
+            wait_for(lambda: failed, 5, what="a failed sample")
+            assert history.series()["depth"][-1] is None
+            assert [t for t in threading.enumerate() if t.name == "admin-depth" and t.is_alive()]
+            status, _, _ = request(admin, "GET", "/")
+            assert status == 200
+            assert history.series()["depth"][-1] == 3  # the page's own stats read is a sample too
+        finally:
+            admin.stop()
 
 
 class TestMethodsAndBinding:

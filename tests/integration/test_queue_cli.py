@@ -496,7 +496,8 @@ class TestRetry:
         assert queue.state(queue.ids["lab1"]) == "inflight"
         assert queue.state(queue.ids["adt5"]) == "queued"
         assert queue.state(queue.ids["adt1"]) == "processed"
-        assert "inflight" in err and "processed" in err and "nope: no such row" in err
+        assert "inflight" in err and "processed" in err
+        assert "nope: give at least 8 characters of the id" in err
         assert f"{queue.ids['adt2']}: queued" in out
 
     def test_usage_errors(self, queue: Queue, capsys: pytest.CaptureFixture[str]) -> None:

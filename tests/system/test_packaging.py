@@ -171,14 +171,26 @@ class TestSystemdUnits:
         assert exec_start.startswith("/opt/hl7-agent-%i/bin/hl7-agent run")
 
     @pytest.mark.parametrize("name", UNIT_FILES)
-    def test_documentation_is_installed_by_the_documented_steps(self, name: str) -> None:
-        """Documentation= names a file of docs/ that docs/deploy.md's install copies there."""
+    def test_documentation_is_in_the_venv_the_unit_runs(self, name: str) -> None:
+        """Documentation= names a file of docs/ under share/doc/hl7-agent of the venv the
+        documented install creates for that unit (the wheel puts it there:
+        tests/system/test_distributions.py), never a copy made by hand."""
         (url,) = _values(SYSTEMD / name, "Documentation")
         assert url.startswith("file:///"), url
         target = Path(url.removeprefix("file://"))
         assert (REPO / "docs" / target.name).is_file(), target.name
-        prepare = _doc_block("systemd-prepare")
-        assert f"install -m 0644 docs/*.md {target.parent}/" in prepare, prepare
+        venv = "/opt/hl7-agent-%i" if name == "hl7-agent@.service" else "/opt/hl7-agent"
+        assert target.parent == Path(venv) / "share" / "doc" / "hl7-agent", target
+        exec_start = _values(SYSTEMD / name.replace(".socket", ".service"), "ExecStart")
+        assert exec_start[0].startswith(f"{venv}/bin/hl7-agent "), exec_start
+        install = _doc_block("systemd-single" if "@" not in name else "systemd-pair")
+        assert f"python3 -m venv {venv.replace('%i', 'blue')}" in install, install
+        assert "/usr/local/share/doc" not in _doc_block("systemd-prepare")
+
+    def test_blue_green_socket_points_at_blue(self) -> None:
+        """The pair's socket drop-in replaces the socket unit's Documentation= by blue's venv."""
+        pair = _doc_block("systemd-pair")
+        assert r"Documentation=\nDocumentation=file:///opt/hl7-agent-blue/share/doc/hl7-agent/deploy.md" in pair
 
     def test_socket_unit(self) -> None:
         """The socket unit names its fd after the channel and serves the service."""

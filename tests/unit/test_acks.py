@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 import hl7
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from intakefuzz import CHARSET_VALUES, CORPUS, mutate
 
@@ -23,6 +23,7 @@ from agent.core.acks import (
     commit_ack_wanted,
     read_ack_code,
     relayed_ack,
+    server_reason,
 )
 from agent.core.charsets import TEXT_CODECS
 from agent.core.envelope import Envelope, MalformedMsh, read_msh, scrape_control_id
@@ -474,6 +475,23 @@ def inbound_of(payload: bytes) -> Envelope | None:
         return None
 
 
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (b"MSH|^~\\&|A|B|C|D|x||ADT^A01|1|P|2.5", "20260501083000.1234+0200"),
+        (b"MSH.^~\\&.A.B.C.D.x..ADT^A01.1.P.2.5", "20260501083000+0200"),  # no fraction
+        (b"MSH+^~\\&+A+B+C+D+x++ADT^A01+1+P+2.5", "20260501083000.1234"),  # no zone
+    ],
+)
+def test_msh7_never_contains_a_delimiter(header: bytes, expected: str) -> None:
+    """DTM's fraction and zone are optional: left out when their punctuation is a delimiter."""
+    now = datetime(2026, 5, 1, 8, 30, 0, 123456, tzinfo=timezone(timedelta(hours=2)))
+    ack = build_ack(read_msh(header + b"\r"), AckCode.AA, now=now)
+    sep = chr(header[3])
+    assert ack.split(b"\r")[0].decode().split(sep)[6] == expected
+    assert read_msh(ack).message_code == "ACK"
+
+
 class TestAckProperties:
     @PROPERTY
     @given(
@@ -483,6 +501,9 @@ class TestAckProperties:
         st.one_of(st.sampled_from(CHARSET_VALUES), st.sampled_from(sorted(TEXT_CODECS))),
         st.integers(0, 999),
     )
+    # Found by this test in CI: "." as the field separator met MSH-7's decimal point.
+    @example(payload=b"MSH.!", code=AckCode.AA, text="", codec="", error_code=0)
+    @example(payload=b"MSH+^~\\&", code=AckCode.AA, text="", codec="", error_code=0)
     def test_any_inbound_gives_one_clean_readable_ack(
         self, payload: bytes, code: AckCode, text: str, codec: str, error_code: int
     ) -> None:
@@ -504,3 +525,56 @@ class TestAckProperties:
         """Any server ACK text in any stored codec name: bytes without block bytes, never an exception."""
         ack = relayed_ack(text, codec)
         assert b"\x0b" not in ack and b"\x1c" not in ack and b"\n" not in ack
+
+
+class TestServerReason:
+    """The server's reason in words, read from its ACK text (HL7 2.5 ch. 2.14.5 ERR, 2.14.8 MSA)."""
+
+    def test_msa3_and_err3_of_a_v25_reject(self) -> None:
+        """MSA-3, written for people, stands alone: the coded errors only stand in for missing text."""
+        ack = build_ack(env(V25), AckCode.AE, text="unknown patient identifier in PID-3",
+                        error_code=204).decode()
+        assert server_reason(ack) == "unknown patient identifier in PID-3"
+        coded_only = build_ack(env(V25), AckCode.AE, error_code=204).decode()
+        assert server_reason(coded_only) == "204 Unknown key identifier"
+
+    def test_before_v25_the_code_is_in_err1(self) -> None:
+        """v2.1-2.4 put the code in ERR-1's fourth component, as subcomponents; MSA-3 is unescaped."""
+        v23 = V25.replace("|2.5", "|2.3")
+        ack = build_ack(env(v23), AckCode.AE, text="bad|field", error_code=207).decode()
+        assert server_reason(ack) == "bad|field"
+        coded_only = build_ack(env(v23), AckCode.AE, error_code=207).decode()
+        assert server_reason(coded_only) == "207 Application internal error"
+
+    def test_user_message_and_diagnostics_in_the_senders_delimiters(self) -> None:
+        """ERR-8's first text with ERR-2's location, in the sender's delimiters (MSH-1/2)."""
+        ack = ("MSH#$*@!#EHR#C##L#N#20240101##ACK$A01$ACK#1#P#2.5.1\r"
+               "MSA#AE#C1\r"
+               "ERR##PID$1$3#204$Unknown key identifier$HL70357#E#E42$Patient not found#"
+               "##Patient 123@F@4 is unknown*second line#\r")
+        assert server_reason(ack) == "Patient 123#4 is unknown (at PID-3)"
+
+    def test_escapes_and_formatting(self) -> None:
+        """Hex escapes become their bytes, .br a space, highlighting and charset escapes go."""
+        ack = "MSH|^~\\&|||||||ACK|1|P|2.5\rMSA|AE|C1|\\X41\\bc\\.br\\d\\H\\e\\N\\ \\C2842\\f\rERR||||E\r"
+        assert server_reason(ack) == "Abc de f"
+
+    def test_an_accept_without_text_has_no_reason(self) -> None:
+        """AA with an empty MSA-3 and no ERR: None, not an empty string."""
+        assert server_reason(build_ack(env(V25), AckCode.AA).decode()) is None
+        assert server_reason(None) is None and server_reason("") is None
+
+    def test_long_text_is_cut_and_repeats_dropped(self) -> None:
+        """A repeated text appears once; the whole stays within the limit, marked as cut."""
+        ack = f"MSH|^~\\&|||||||ACK|1|P|2.5\rMSA|AE|C1|{'x' * 500}\rERR|||||||||\rERR|||||||||\n"
+        reason = server_reason(ack, limit=40)
+        assert reason is not None and len(reason) == 40 and reason.endswith("…")
+        again = "MSH|^~\\&|||||||ACK|1|P|2.5\rMSA|AE|C1|same\rERR|||||||same|same\r"
+        assert server_reason(again) == "same"
+
+    @given(st.text(max_size=300))
+    @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+    def test_never_raises(self, text: str) -> None:
+        """Any text at all gives a string or None (a server's ACK is untrusted input)."""
+        reason = server_reason("MSH|^~\\&|||||||ACK|1|P|2.5\rMSA|AE|C1|" + text)
+        assert reason is None or (isinstance(reason, str) and "\r" not in reason)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from pathlib import Path
@@ -160,7 +161,7 @@ class TestFile:
     def test_shipped_example_loads(self) -> None:
         """config/agent.example.toml is valid and says what the README promises."""
         settings = load_settings(str(EXAMPLE), {})
-        assert settings.agent.data_dir == EXAMPLE.parent / ".." / "data"
+        assert settings.agent.data_dir == REPO / "data"
         assert settings.server.url == "ws://127.0.0.1:8080/agent"
         assert settings.server.token_value() == "change-me"
         assert settings.admin.listen == "127.0.0.1:9575"
@@ -492,9 +493,19 @@ class TestRelativePaths:
         (folder / "token").write_text("t0k\n", encoding="utf-8")
         text = '[agent]\ndata_dir = "../var"\n[server]\ntoken_file = "token"\n'
         settings = load_settings(str(write(folder, text)), {})
-        assert settings.agent.data_dir == folder / ".." / "var"
+        assert settings.agent.data_dir == tmp_path / "var"
         assert settings.server.token_file == folder / "token"
-        assert settings.db_path == folder / ".." / "var" / "queue.db"
+        # Shown normalised everywhere (check-config, queue stats, errors): resolved once at load.
+        assert settings.db_path == tmp_path / "var" / "queue.db"
+
+    def test_data_dir_is_shown_normalised(self, tmp_path: Path) -> None:
+        """check-config shows the data_dir without ``..`` (the path the queue commands and logs name)."""
+        folder = tmp_path / "config"
+        folder.mkdir()
+        settings = load_settings(str(write(folder, '[agent]\ndata_dir = "../data"\n')), {})
+        rendered = render_effective(settings)
+        assert f"data_dir = {json.dumps(str(tmp_path / 'data'))}" in rendered
+        assert "/../" not in rendered
 
     def test_relative_to_cwd_without_file(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from agent.runtime.dispatcher import LEASE_WRITE_FRACTION, LeaseValidity, lease_clock
+from agent.core.lease import LEASE_WRITE_FRACTION, LeaseValidity, lease_clock
 
 
 class Clock:

@@ -18,8 +18,8 @@ from agent.core.protocol import (
     max_frame_bytes,
     parse_client_frame,
     parse_server_frame,
-    transmit_size,
 )
+from agent.core.session import SessionCore
 from agent.core.timefmt import rfc3339_utc
 from agent.errors import ProtocolError
 
@@ -178,7 +178,7 @@ class TestSizes:
         assert max_frame_bytes(0) == 65_536
 
     def test_transmit_size_is_utf8_length_of_json(self) -> None:
-        """transmit_size counts UTF-8 bytes, so non-ASCII text counts 2+ bytes a character."""
+        """The frame size a session checks counts UTF-8 bytes, so non-ASCII text counts 2+ bytes a character."""
         ascii_t = make_transmit(body="MSH|A")
         uni_t = make_transmit(body="MSH|Ä")
         assert transmit_size(ascii_t) == len(ascii_t.to_json())
@@ -189,6 +189,11 @@ class TestSizes:
         limit = 1000
         t = make_transmit(body="\x01" * limit)
         assert transmit_size(t) <= max_frame_bytes(limit)
+
+
+def transmit_size(t: Transmit) -> int:
+    """The size of the frame a session writes for ``t`` (what its limit is checked against)."""
+    return SessionCore[object](max_frame_bytes=1 << 30).prepare(t).size
 
 
 class TestTimestamps:

@@ -30,7 +30,8 @@ SQL = re.compile(
 #: Modules that already spell no state literal (the rest of the tree follows).
 STATE_CLEAN = sorted(
     [*STORAGE.glob("*.py"), *(AGENT / "app" / "commands").glob("*.py"),
-     AGENT / "app" / "service.py", AGENT / "app" / "cli.py", AGENT / "runtime" / "relay.py"]
+     AGENT / "app" / "service.py", AGENT / "app" / "cli.py", AGENT / "runtime" / "relay.py",
+     AGENT / "core" / "status.py", AGENT / "runtime" / "statuspage.py", AGENT / "runtime" / "statusview.py"]
 )
 STATE_NAMES = {s.value for s in State} | {o.value for o in AckOutcome}
 

@@ -157,8 +157,8 @@ class TestSqlFollowsTheTable:
     def test_operator_redrive_queries_are_seen(self) -> None:
         """Both operator re-drive queries are checked too (comments before the UPDATE are skipped)."""
         updates = state_updates()
-        for name in ("op_redrive_one", "op_redrive_batch", "claim", "send", "resend", "requeue",
-                     "recover_claimed"):
+        for name in ("op_redrive_one", "op_redrive_batch", "op_set_aside", "claim", "send", "resend",
+                     "requeue", "recover_claimed"):
             assert name in updates, name
 
 
@@ -184,9 +184,9 @@ class TestEachQueryIsItsEvent:
             assert name in ("settle", "fail_live")
 
     def test_every_event_that_moves_a_row_has_its_query(self) -> None:
-        """Each event with sources is implemented by a query (setting rows aside has no command yet)."""
+        """Each event with sources is implemented by a query (the operator's set-aside included)."""
         moving = {e for e in Event if e.sources}
-        assert set(TRANSITION_QUERIES.values()) == moving - {Event.SET_ASIDE}
+        assert set(TRANSITION_QUERIES.values()) == moving
 
     def test_the_store_refuses_a_query_under_another_event(self) -> None:
         """A transition run under the wrong event is our bug, caught before any SQL runs."""

@@ -2,25 +2,18 @@
 
 A paused channel keeps taking messages (intake goes on) and sends none until
 it is resumed, across restarts (docs/operations.md, docs/queue.md#operator-actions).
+A pause or resume that changes the flag is recorded for the daemon's log in
+the same transaction (``operator_action``).
 """
 
 from __future__ import annotations
 
 import argparse
-import getpass
-import os
 
 from agent.app.cli import EXIT_FAILURE, EXIT_OK
-from agent.app.commands.common import command, err, open_store
+from agent.app.commands.common import ActionRecord, command, err, open_store
 from agent.app.config import Settings
 from agent.core.states import State
-
-
-def _operator() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return f"uid {os.getuid()}"
 
 
 @command
@@ -34,14 +27,17 @@ def cmd_channel(settings: Settings, args: argparse.Namespace) -> int:
         )
         return EXIT_FAILURE
     pause = args.channel_command == "pause"
+    audit = ActionRecord("pause" if pause else "resume", channel=name)
     with open_store(settings, write=True) as store:
         with store.transaction():
             was_paused = name in store.paused_channels()
             if pause:
                 if not was_paused:
-                    store.pause_channel(name, f"operator ({_operator()})")
+                    store.pause_channel(name, f"operator ({audit.user})")
+                    audit.record(store, rows=0, detail={})
             elif was_paused:
                 store.resume_channel(name)
+                audit.record(store, rows=0, detail={})
         live = store.stats([name])["channels"][name]
     backlog = f"{live[State.QUEUED]} queued, {live[State.CLAIMED] + live[State.INFLIGHT]} in flight"
     if pause:

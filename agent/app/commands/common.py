@@ -8,7 +8,9 @@ guarded queries), so the daemon's group commit never waits long behind an
 operator. A lock held past ``busy_timeout`` is one clear line and exit 1.
 
 Nothing here logs: stdout carries the answer (tables or JSON), stderr carries
-errors, notes and, on a terminal only, progress.
+errors, notes and, on a terminal only, progress. What a command changed is
+written to the database with the change (:class:`ActionRecord`), and the
+daemon logs it (``operator_action``), whichever process ran the command.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ import argparse
 import contextlib
 import datetime as dt
 import functools
+import getpass
 import os
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 from agent.app.cli import EXIT_FAILURE
 from agent.app.config import Settings, parse_duration
@@ -28,6 +34,13 @@ from agent.errors import DatabaseLocked, UsageError
 from agent.storage.store import SqliteStore, open_operator_store
 
 Command = Callable[[Settings, argparse.Namespace], int]
+
+#: The shortest id prefix a command resolves: 8 hex digits (a UUID's first
+#: group), where two rows sharing one is rare enough to name them both.
+MIN_ID_PREFIX = 8
+#: Candidates named when a prefix matches several rows.
+CANDIDATES_SHOWN = 10
+_HEX = frozenset("0123456789abcdef")
 
 
 def err(message: str) -> None:
@@ -100,3 +113,101 @@ def channel_note(settings: Settings, channel: str | None) -> None:
     """A typo in --channel otherwise looks like an empty queue."""
     if channel is not None and channel not in {c.name for c in settings.channels}:
         print(f"note: channel {channel!r} is not in the configuration", file=sys.stderr)
+
+
+def operator() -> str:
+    """The OS user running this command, for the audit trail and pause reasons."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid {os.getuid()}"
+
+
+# -- row ids ---------------------------------------------------------------------
+
+
+@dataclass
+class ResolvedIds:
+    """What the ids an operator typed name: full ids (unique, in order) and a line per problem."""
+
+    ids: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def resolve_ids(store: SqliteStore, texts: Iterable[str]) -> ResolvedIds:
+    """Full ids for what the operator typed, the same rules for every command that takes ids.
+
+    A full id, or a prefix of at least MIN_ID_PREFIX hex digits (any case)
+    that starts exactly one row's id. Too short: "give at least 8
+    characters"; several rows: they are named (up to CANDIDATES_SHOWN) so
+    the operator can pick; none: "no row with id …".
+    """
+    out = ResolvedIds()
+    for raw in texts:
+        text = raw.strip().lower()
+        if store.row_place(text) is not None:
+            found = [text]
+        elif sum(ch in _HEX for ch in text) < MIN_ID_PREFIX:
+            out.problems.append(f"{raw.strip() or repr(raw)}: give at least {MIN_ID_PREFIX} characters of the id")
+            continue
+        else:
+            found = store.resolve_id_prefix(text, MIN_ID_PREFIX, limit=CANDIDATES_SHOWN + 1)
+        if not found:
+            out.problems.append(f"no row with id {raw.strip()}")
+        elif len(found) > 1:
+            named = []
+            for candidate in found[:CANDIDATES_SHOWN]:
+                place = store.row_place(candidate)
+                named.append(f"{candidate} ({place.state}, {place.channel})" if place else candidate)
+            more = " and more" if len(found) > CANDIDATES_SHOWN else ""
+            out.problems.append(f"id prefix {text} matches several rows: {', '.join(named)}{more}; "
+                                "give more of the id")
+        elif found[0] not in out.ids:
+            out.ids.append(found[0])
+    return out
+
+
+# -- the audit trail ------------------------------------------------------------------
+
+
+class ActionRecord:
+    """The ``operator_actions`` entry of one command, written with the changes it describes.
+
+    :meth:`record` runs inside the transaction of the change: one entry per
+    command, kept current batch by batch (``rows`` and ``detail`` say what
+    has committed), finished with the last batch. A command cut short marks
+    it ``interrupted`` (:meth:`interrupted`); one that died leaves it
+    ``running`` and the daemon logs it once it has been silent a while.
+    """
+
+    def __init__(self, action: str, *, channel: str | None = None, reason: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.action = action
+        self.channel = channel
+        self.reason = reason
+        self.clock = clock
+        self.user = operator()
+        self.entry_id: int | None = None
+        self.finished = False
+
+    def record(self, store: SqliteStore, *, rows: int, detail: dict[str, Any], last: bool = True) -> None:
+        """Inside the change's transaction: the whole action so far (``rows``, ``detail``)."""
+        now = self.clock()
+        if self.entry_id is None:
+            self.entry_id = store.record_operator_action(
+                self.action, os_user=self.user, pid=os.getpid(), now=now, rows=rows, detail=detail,
+                channel=self.channel, reason=self.reason, done=last,
+            )
+        else:
+            store.update_operator_action(self.entry_id, now=now, rows=rows, detail=detail,
+                                         status="done" if last else "running", channel=self.channel)
+        self.finished = last
+
+    def interrupted(self, store: SqliteStore, *, rows: int, detail: dict[str, Any]) -> None:
+        """After a batch failed or the command was stopped: the entry says so (its own transaction)."""
+        if self.entry_id is None or self.finished:
+            return
+        with contextlib.suppress(Exception), store.transaction():
+            store.update_operator_action(self.entry_id, now=self.clock(), rows=rows, detail=detail,
+                                         status="interrupted", channel=self.channel)
+        self.finished = True

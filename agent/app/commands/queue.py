@@ -1,11 +1,12 @@
-"""``hl7-agent queue stats|list|show|retry|purge|export`` (docs/operations.md, docs/queue.md#operator-actions).
+"""``hl7-agent queue stats|list|show|retry|fail|purge|export`` (docs/operations.md, docs/queue.md#operator-actions).
 
 The commands run store methods only (agent/storage/store_operator.py holds
 their queries and the guards: a re-drive moves only ``failed``/``rejected``
-rows and a purge deletes only terminal rows, whatever the caller passed;
-purging never deletes dedupe keys). How the answers look is
-agent/app/commands/render.py; opening the file politely next to a running
-daemon is agent/app/commands/common.py.
+rows, a set-aside only ``queued`` ones, and a purge deletes only terminal
+rows, whatever the caller passed; purging never deletes dedupe keys).
+``retry`` and ``fail`` are agent/app/commands/moves.py. How the answers look
+is agent/app/commands/render.py; opening the file politely next to a running
+daemon, ids and the audit trail are agent/app/commands/common.py.
 """
 
 from __future__ import annotations
@@ -17,32 +18,38 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 from agent.app.cli import EXIT_FAILURE, EXIT_OK
 from agent.app.commands import render
 from agent.app.commands.common import (
+    MIN_ID_PREFIX,
+    ActionRecord,
     channel_note,
     check_state,
     command,
     err,
     open_store,
     parse_since,
+    resolve_ids,
 )
+from agent.app.commands.moves import RETRY_BATCH, cmd_fail, cmd_retry
 from agent.app.commands.render import Progress
 from agent.app.config import Settings, parse_duration
 from agent.core.mllp import encode_frame
-from agent.core.states import LIVE, REDRIVABLE, State
+from agent.core.states import LIVE, State
 from agent.core.timefmt import rfc3339
 from agent.errors import UsageError
 from agent.storage.rows import RowFilter
-from agent.storage.store import SqliteStore
 
 __all__ = [
+    "MIN_ID_PREFIX",
+    "RETRY_BATCH",
     "Progress",
     "cmd_export",
+    "cmd_fail",
     "cmd_list",
     "cmd_purge",
     "cmd_retry",
@@ -51,11 +58,8 @@ __all__ = [
     "parse_since",
 ]
 
-RETRY_BATCH = 500
 PURGE_BATCH = 1000
 EXPORT_BATCH = 500
-#: The shortest id prefix ``queue show`` resolves (8 hex digits: collisions are rare).
-MIN_ID_PREFIX = 8
 
 
 # -- queue stats ---------------------------------------------------------------
@@ -102,7 +106,7 @@ def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
     if not items:
         print("no rows match", file=sys.stderr)
         return EXIT_OK
-    sys.stdout.write(render.render_list(items, show_body=args.show_body))
+    sys.stdout.write(render.render_list(items, show_body=args.show_body, width=render.output_width()))
     if len(items) == args.limit:
         print(f"(first {args.limit} rows; --limit N for more, 0 for all)", file=sys.stderr)
     sys.stdout.flush()
@@ -112,39 +116,29 @@ def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
 # -- queue show ----------------------------------------------------------------
 
 
-class _NotFound(Exception):
-    """An id the operator named does not exist (exit 1, one line)."""
-
-
-def _resolve_id(store: SqliteStore, text: str) -> str | None:
-    """A full id, or a unique prefix of at least MIN_ID_PREFIX characters."""
-    text = text.strip().lower()
-    found = store.resolve_id_prefix(text, MIN_ID_PREFIX)
-    if len(found) > 1:
-        raise _NotFound(f"id prefix {text!r} matches several rows; give more of the id")
-    return found[0] if found else None
-
-
 @command
 def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
     """``queue show ID [--raw] [--json]``."""
     if args.raw and args.json:
         raise UsageError("--raw and --json exclude each other")
     with open_store(settings, write=False) as store:
-        try:
-            message_id = _resolve_id(store, args.id)
-        except _NotFound as exc:
-            err(str(exc))
-            return EXIT_FAILURE
-        row = store.row(message_id) if message_id is not None else None
+        resolved = resolve_ids(store, [args.id])
+        row = store.row(resolved.ids[0]) if resolved.ids else None
     if row is None:
-        err(f"no row with id {args.id}")
+        err(resolved.problems[0] if resolved.problems else f"no row with id {args.id}")
         return EXIT_FAILURE
     if args.raw:
-        # The stored bytes exactly as received (docs/queue.md#intake), for diffing or re-sending.
         sys.stdout.flush()
-        sys.stdout.buffer.write(row.body)
-        sys.stdout.buffer.flush()
+        if sys.stdout.isatty():
+            # Segments end in CR, which makes a terminal draw each one over
+            # the last: there, one segment per line, control bytes escaped.
+            text = render.raw_for_terminal(row.body, row.encoding)
+            sys.stdout.buffer.write(text.encode(sys.stdout.encoding or "utf-8", errors="replace"))
+            sys.stdout.buffer.flush()
+        else:
+            # The stored bytes exactly as received (docs/queue.md#intake), for diffing or re-sending.
+            sys.stdout.buffer.write(row.body)
+            sys.stdout.buffer.flush()
         return EXIT_OK
     fields = render.show_fields(row)
     if args.json:
@@ -152,116 +146,6 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(render.render_show(fields))
     sys.stdout.flush()
-    return EXIT_OK
-
-
-# -- queue retry ---------------------------------------------------------------
-
-
-def _paused_hint(store: SqliteStore, channels: Iterable[str]) -> None:
-    paused = store.paused_channels() & set(channels)
-    for name in sorted(paused):
-        print(
-            f"note: channel {name} is paused; nothing is sent until "
-            f"`hl7-agent channel resume {name}`",
-            file=sys.stderr,
-        )
-
-
-@command
-def cmd_retry(settings: Settings, args: argparse.Namespace) -> int:
-    """``queue retry (ID... | --state failed|rejected [--channel C]) [--dry-run]``.
-
-    Operator re-drive (docs/queue.md#operator-actions): failed/rejected →
-    queued with the same id (a replaying server dedupes), due now,
-    ``redrive_base = attempts`` so ``max_attempts`` counts afresh. The row
-    keeps its seq: it goes back to the head of its channel and is sent before
-    newer queued rows.
-    """
-    if args.ids and args.state:
-        raise UsageError("give row ids or --state, not both")
-    if not args.ids and not args.state:
-        raise UsageError("give row ids, or --state failed|rejected [--channel C]")
-    if args.channel and not args.state:
-        raise UsageError("--channel goes with --state (ids already name their rows)")
-    if args.ids:
-        return _retry_ids(
-            settings, list(dict.fromkeys(i.strip().lower() for i in args.ids)), args.dry_run
-        )
-    return _retry_state(settings, args.state, args.channel, args.dry_run)
-
-
-def _retry_ids(settings: Settings, ids: list[str], dry_run: bool) -> int:
-    refused = 0
-    moved_channels: list[str] = []
-    with open_store(settings, write=not dry_run) as store:
-        for start in range(0, len(ids), RETRY_BATCH):
-            batch = ids[start : start + RETRY_BATCH]
-            if dry_run:
-                outcomes = store.redrive_ids(batch, time.time(), dry_run=True)
-            else:
-                with store.transaction():
-                    outcomes = store.redrive_ids(batch, time.time())
-            for o in outcomes:
-                if o.result == "missing":
-                    err(f"{o.id}: no such row")
-                elif o.result == "refused":
-                    why = "it may still be delivered" if o.state in LIVE else "it is settled for good"
-                    err(f"{o.id}: not moved: it is {o.state} ({why}); only failed/rejected rows can be retried")
-                elif o.result == "changed":
-                    err(f"{o.id}: not moved: its state changed meanwhile")
-                elif o.result == "would_move":
-                    print(f"{o.id}: would be queued (is {o.state}, channel {o.channel})")
-                    continue
-                else:
-                    assert o.channel is not None
-                    moved_channels.append(o.channel)
-                    print(f"{o.id}: queued (was {o.state}, channel {o.channel}, same id)")
-                    continue
-                refused += 1
-        if moved_channels:
-            _paused_hint(store, moved_channels)
-    return EXIT_FAILURE if refused else EXIT_OK
-
-
-def _retry_state(settings: Settings, state_arg: str, channel: str | None, dry_run: bool) -> int:
-    state = check_state(state_arg)
-    if state not in REDRIVABLE:
-        raise UsageError(f"--state {state}: only failed or rejected rows can be retried")
-    channel_note(settings, channel)
-    with open_store(settings, write=not dry_run) as store:
-        if dry_run:
-            rows = store.rows_in_state(state, channel)
-            if rows:
-                sys.stdout.write(render.state_table(rows))
-            print(
-                f"would re-drive {len(rows)} {state} row(s) to queued (dry run: nothing changed)",
-                file=sys.stderr,
-            )
-            return EXIT_OK
-        total = store.count_state(state, channel)
-        last = store.last_rowid()
-        progress = Progress(f"retry {state}", total)
-        per_channel: dict[str, int] = {}
-        try:
-            while True:
-                with store.transaction():
-                    moved = store.redrive_state(state, channel, up_to_rowid=last, limit=RETRY_BATCH,
-                                                now=time.time())
-                for name in moved:
-                    per_channel[name] = per_channel.get(name, 0) + 1
-                progress.advance(len(moved))
-                if len(moved) < RETRY_BATCH:
-                    break
-        finally:
-            progress.close()
-        count = sum(per_channel.values())
-        detail = ", ".join(f"{k} {v}" for k, v in sorted(per_channel.items()))
-        print(
-            f"re-drove {count} {state} row(s) to queued, each with its id"
-            + (f" ({detail})" if detail else "")
-        )
-        _paused_hint(store, per_channel)
     return EXIT_OK
 
 
@@ -292,6 +176,7 @@ def cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
     where = f"{state} row(s) last updated before {rfc3339(cutoff)}" + (
         f" on channel {args.channel}" if args.channel else ""
     )
+    audit = ActionRecord("purge", channel=args.channel)
     with open_store(settings, write=not args.dry_run) as store:
         total = store.count_purgeable(state, args.channel, cutoff)
         if args.dry_run:
@@ -305,16 +190,20 @@ def cmd_purge(settings: Settings, args: argparse.Namespace) -> int:
             return EXIT_OK
         progress = Progress(f"purge {state}", total)
         deleted = 0
+        detail = {"state": str(state), "older_than": args.older_than, "before": rfc3339(cutoff)}
         try:
             while True:
                 with store.transaction():
                     n = store.purge(state, args.channel, cutoff, PURGE_BATCH)
+                    if deleted + n:
+                        audit.record(store, rows=deleted + n, detail=detail, last=n < PURGE_BATCH)
                 deleted += n
                 progress.advance(n)
                 if n < PURGE_BATCH:
                     break
         finally:
             progress.close()
+            audit.interrupted(store, rows=deleted, detail=detail)
     print(f"deleted {deleted} {where}; dedupe keys kept until their window ends")
     return EXIT_OK
 

@@ -2,43 +2,58 @@
 
 Pure functions of the store's rows (agent/storage/rows.py); the JSON shapes
 are documented in docs/queue-stats.schema.json, queue-list.schema.json and
-queue-show.schema.json and only ever gain keys.
+queue-show.schema.json and only ever gain keys. Tables and their fitting
+to the terminal are agent/app/commands/tables.py; in text, a field without a
+value (NULL or empty) is always shown as ``-``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Iterable, Sequence
+import unicodedata
+from collections.abc import Iterable
 from typing import IO, Any
 
+from agent.app.commands.tables import (
+    DEFAULT_WIDTH,
+    LIST_HEADERS,
+    SHORT_ID,
+    cell,
+    error_cell,
+    fit_list,
+    output_width,
+    table,
+    table_lines,
+)
 from agent.core.states import ALL, DEPTH, PURGEABLE, State
 from agent.core.timefmt import compact_duration, human_bytes, rfc3339
 from agent.storage.rows import ChannelFlags, LeaseRow, ListedRow, StateCount, StoredRow
 
-#: The columns of ``queue list`` and of ``queue retry --state … --dry-run``.
-LIST_HEADERS = (
-    "id",
-    "channel",
-    "seq",
-    "state",
-    "control id",
-    "type",
-    "attempts",
-    "received",
-    "error code",
-)
-_LIST_KEYS = (
-    "id",
-    "channel",
-    "seq",
-    "state",
-    "control_id",
-    "message_type",
-    "attempts",
-    "received_at",
-    "error_code",
-)
+__all__ = [
+    "DEFAULT_WIDTH",
+    "LIST_HEADERS",
+    "SHORT_ID",
+    "Progress",
+    "cell",
+    "decode",
+    "error_cell",
+    "fit_list",
+    "list_item",
+    "output_width",
+    "raw_for_terminal",
+    "render_list",
+    "render_show",
+    "render_stats",
+    "segments",
+    "show_fields",
+    "state_table",
+    "stats_document",
+    "table",
+    "table_lines",
+    "ts",
+]
+
 _TIME_FIELDS = (
     "received_at",
     "claimed_at",
@@ -99,26 +114,6 @@ def decode(data: bytes | str | None, encoding: str | None) -> str | None:
 def segments(text: str) -> list[str]:
     """HL7 segments of a message or ACK: ``\\r`` (and sloppy ``\\n``) end each one."""
     return [s for s in text.replace("\r\n", "\r").replace("\n", "\r").split("\r") if s]
-
-
-def table(
-    headers: Sequence[str], rows: Iterable[Sequence[Any]], *, right: Iterable[int] = ()
-) -> str:
-    """A plain aligned text table; ``right`` lists the numeric columns."""
-    cells = [[("-" if c is None else str(c)) for c in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in cells:
-        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
-    right_set = set(right)
-
-    def line(row: Sequence[str]) -> str:
-        parts = [
-            c.rjust(w) if i in right_set else c.ljust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        return "  ".join(parts).rstrip()
-
-    return "\n".join([line(list(headers)), *(line(r) for r in cells)]) + "\n"
 
 
 def lines_form(body: bytes) -> bytes:
@@ -220,12 +215,13 @@ def render_stats(data: dict[str, Any], lease_row: LeaseRow | None, now: float) -
 
 
 def list_item(row: ListedRow, *, show_body: bool) -> dict[str, Any]:
-    """One ``queue list --json`` entry (docs/queue-list.schema.json)."""
+    """One ``queue list --json`` entry (docs/queue-list.schema.json); ``error_text``, ``server_reason`` added."""
     item: dict[str, Any] = {
         "id": row.id, "channel": row.channel, "seq": row.seq, "state": row.state,
         "control_id": row.control_id, "message_type": row.message_type, "attempts": row.attempts,
         "received_at": ts(row.received_at), "error_code": row.error_code, "remote": row.remote,
-        "updated_at": ts(row.updated_at),
+        "updated_at": ts(row.updated_at), "error_text": row.error_text,
+        "server_reason": row.server_reason,
     }  # fmt: skip
     if show_body:
         item["encoding"] = row.encoding
@@ -233,37 +229,45 @@ def list_item(row: ListedRow, *, show_body: bool) -> dict[str, Any]:
     return item
 
 
-def render_list(items: list[dict[str, Any]], *, show_body: bool) -> str:
-    """``queue list`` as a table; with bodies, one small table per row and its segments."""
+def render_list(items: list[dict[str, Any]], *, show_body: bool, width: int = DEFAULT_WIDTH) -> str:
+    """``queue list`` as a table fitted to ``width``; with bodies, each row's segments under it."""
+    lines = fit_list(items, width)
     if not show_body:
-        return table(LIST_HEADERS, [[i[k] for k in _LIST_KEYS] for i in items], right=(2, 6))
-    out: list[str] = []
-    for item in items:
-        out.append(table(LIST_HEADERS, [[item[k] for k in _LIST_KEYS]], right=(2, 6)))
+        return "\n".join(lines) + "\n"
+    out: list[str] = [lines[0] + "\n"]
+    for item, line in zip(items, lines[1:], strict=True):
+        out.append(line + "\n")
         out.extend(f"    {seg}\n" for seg in segments(item["body"] or ""))
         out.append("\n")
     return "".join(out)
 
 
 def state_table(rows: Iterable[ListedRow]) -> str:
-    """``queue retry --state … --dry-run``: the rows that would move, in delivery order."""
-    return table(
-        LIST_HEADERS,
-        [[r.id, r.channel, r.seq, r.state, r.control_id, r.message_type, r.attempts,
-          ts(r.received_at), r.error_code] for r in rows],
-        right=(2, 6),
-    )  # fmt: skip
+    """``queue retry --state … --dry-run``: the rows that would move, in delivery order, ids whole.
+
+    Not fitted to the terminal: it names exactly which rows a re-drive would
+    move, so every id is shown in full.
+    """
+    items = [list_item(r, show_body=False) for r in rows]
+    return render_list(items, show_body=False, width=sys.maxsize)
 
 
 # -- queue show --------------------------------------------------------------------
 
 
 def show_fields(row: StoredRow) -> dict[str, Any]:
-    """Every column but the body, in display form (RFC 3339 times, ACKs as text)."""
+    """Every column but the body, in display form (RFC 3339 times, ACKs as text).
+
+    Values stay as stored (an empty MSH field is ``""``, an unset column
+    None) — the JSON shape; :func:`render_show` writes both as ``-``.
+    ``server_reason`` comes right after ``server_status``.
+    """
     encoding = row.encoding
     out: dict[str, Any] = {}
     for f in dataclasses.fields(row):
         key, value = f.name, getattr(row, f.name)
+        if key == "server_reason":
+            continue
         if key == "body":
             out["body_bytes"] = len(value)
         elif key in _TIME_FIELDS:
@@ -272,18 +276,21 @@ def show_fields(row: StoredRow) -> dict[str, Any]:
             out[key] = decode(value, encoding)
         else:
             out[key] = value
+        if key == "server_status":
+            out["server_reason"] = row.server_reason
     out["attempts_since_redrive"] = int(row.attempts) - int(row.redrive_base)
     return out
 
 
 def render_show(fields: dict[str, Any]) -> str:
+    """``queue show`` as text: one field a line, then the three ACKs a segment a line; unset is ``-``."""
     out: list[str] = []
     blocks = ("ack_sent", "app_ack", "server_ack")
     width = max(len(k) for k in fields)
     for key, value in fields.items():
         if key in blocks:
             continue
-        out.append(f"{key.ljust(width)}  {'-' if value is None else value}")
+        out.append(f"{key.ljust(width)}  {cell(value)}")
     titles = {"ack_sent": "ACK sent to the source (intake)",
               "app_ack": "application ACK owed/relayed to the source",
               "server_ack": "server's ACK (transmit_response)"}  # fmt: skip
@@ -294,3 +301,29 @@ def render_show(fields: dict[str, Any]) -> str:
         for seg in segments(value or ""):
             out.append(f"    {seg}")
     return "\n".join(out) + "\n"
+
+
+# -- queue show --raw on a terminal ----------------------------------------------------
+
+
+def raw_for_terminal(body: bytes, encoding: str | None) -> str:
+    """A stored message for a person at a terminal: a segment per line, nothing that moves the cursor.
+
+    HL7 ends segments with CR, which sends a terminal's cursor back to the
+    start of the line, so the raw bytes draw each segment over the last.
+    Here each segment gets its own line, and any other control character
+    (an escape sequence in hostile bytes, a stray VT or FS) is shown as
+    ``\\xNN``/``\\uNNNN`` instead of acting. Redirected output gets the exact bytes.
+    """
+    text = decode(body, encoding) or ""
+    lines = text.replace("\r\n", "\r").replace("\n", "\r").split("\r")
+    if lines and lines[-1] == "":
+        lines.pop()
+
+    def visible(ch: str) -> str:
+        if ch == "\t" or ch.isprintable() or unicodedata.category(ch) == "Zs":
+            return ch
+        code = ord(ch)
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+    return "".join("".join(visible(ch) for ch in line) + "\n" for line in lines)

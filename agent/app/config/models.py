@@ -95,7 +95,16 @@ class AgentSettings(_Section):
     @field_validator("data_dir", mode="after")
     @classmethod
     def _resolve_data_dir(cls, value: Path, info: ValidationInfo) -> Path:
-        return _absolute(value, info) or value
+        """Resolved once at load (``config/../data`` becomes ``data``), so every command,
+        log line and error shows the one path where the queue really is.
+
+        Only this path: a ``token_file`` may be a symlink that is swapped on
+        rotation (a Kubernetes secret), so it must be followed on every read.
+        """
+        path = _absolute(value, info) or value
+        if (info.context or {}).get("base_dir") is not None:
+            path = path.resolve()
+        return path
 
 
 class ServerSettings(_Section):

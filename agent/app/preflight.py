@@ -1,0 +1,124 @@
+"""Before the daemon starts: the checks ``run`` and ``check-config`` share, and the one
+``agent_start_failed`` event a failed start logs.
+
+A data directory the service user cannot write is the most common first-day
+failure (a folder created by root, a volume with the wrong owner, a
+read-only mount). Found here, it is one message naming the key, the path,
+the user and the fix — not an ``[Errno 13]`` from deep inside SQLite.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from agent.errors import ConfigError
+
+log = structlog.get_logger(__name__)
+
+#: The database and the side files SQLite opens next to it (WAL mode).
+_DB_FILES = ("queue.db", "queue.db-wal", "queue.db-shm")
+
+
+def running_user() -> tuple[str, int]:
+    """The effective user's name (its uid when it has none, e.g. a container's 10001) and uid."""
+    uid = os.geteuid()
+    try:
+        return pwd.getpwuid(uid).pw_name, uid
+    except KeyError:
+        return str(uid), uid
+
+
+@dataclass(frozen=True, slots=True)
+class DataDirProblem:
+    """Why the running user cannot use ``data_dir``: the path at fault, what is wrong, the fix."""
+
+    data_dir: Path
+    path: Path
+    error: str
+    fix: str
+
+    def message(self) -> str:
+        name, uid = running_user()
+        return f"agent.data_dir: {self.path} {self.error} (running as user {name}, uid {uid}); {self.fix}"
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _not_writable(path: Path) -> str:
+    return "is on a read-only file system" if _read_only(path) else "is not writable"
+
+
+def data_dir_problem(data_dir: Path) -> DataDirProblem | None:
+    """None when the running user can create (if missing) and write ``data_dir`` and its database.
+
+    Uses ``os.access`` (the real uid, which is the effective one here: the
+    agent is never setuid), so it answers for whoever runs the check — the
+    service user under systemd, or the operator running ``check-config``.
+    """
+    name, _uid = running_user()
+    if os.path.lexists(data_dir):
+        if not data_dir.is_dir():
+            return DataDirProblem(data_dir, data_dir, "is not a directory",
+                                  "set agent.data_dir to a folder (it is created when missing)")
+        if not os.access(data_dir, os.W_OK | os.X_OK):
+            return DataDirProblem(
+                data_dir, data_dir, _not_writable(data_dir),
+                f"make it that user's (chown -R {name} {data_dir}; chmod 0700 {data_dir}) "
+                "or set agent.data_dir to a folder it can write",
+            )
+        for file_name in _DB_FILES:
+            file = data_dir / file_name
+            if file.exists() and not os.access(file, os.R_OK | os.W_OK):
+                return DataDirProblem(
+                    data_dir, file, "is not readable and writable",
+                    f"the queue belongs to another user: run the agent as its owner, or "
+                    f"chown {name} {data_dir}/queue.db*",
+                )
+        return None
+    parent = data_dir.parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return DataDirProblem(data_dir, parent, "is not a directory, so the folder cannot be created",
+                              "set agent.data_dir to a path under an existing folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return DataDirProblem(
+            data_dir, parent, f"{_not_writable(parent)}, so {data_dir} cannot be created",
+            f"have root create it for that user (install -d -m 0700 -o {name} {data_dir}) "
+            "or set agent.data_dir to a folder it can write",
+        )
+    return None
+
+
+def log_start_failure(exc: Exception) -> None:
+    """One ``agent_start_failed`` error event: the key to fix, the path, the running user, the error.
+
+    A log reader (journald, Docker) gets the reason as one structured line
+    before ``agent_stopped``; the CLI still prints its one-line message.
+    """
+    name, uid = running_user()
+    key = getattr(exc, "key", None)
+    if key is None and isinstance(exc, ConfigError):
+        # "config error: channels[1].name: …" names its key first.
+        found = re.match(r"config error: ([A-Za-z0-9_.\[\]]+):", str(exc))
+        key = found.group(1) if found else None
+    log.error(
+        "agent_start_failed",
+        key=key,
+        path=getattr(exc, "path", None),
+        user=name,
+        uid=uid,
+        error=getattr(exc, "error", None) or str(exc) or type(exc).__name__,
+        message=str(exc) or type(exc).__name__,
+    )

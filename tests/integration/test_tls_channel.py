@@ -1,0 +1,185 @@
+"""MLLP over TLS end to end: ``hl7-agent send --tls`` against a real TLS channel, and the
+daemon's log of failed handshakes (once per source per minute, with a count, no bodies).
+
+Certificates are made per module by ``make_test_pki`` (the openssl CLI): a CA, a server
+certificate for IP 127.0.0.1 and a client certificate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import ssl
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agenttest import exchange, hl7_message, log_events, make_test_pki, run_with_agent
+from structlog.testing import capture_logs
+
+from agent.app.config import ChannelSettings
+from agent.runtime.tls import HandshakeFailures
+
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "adt_a01_v23_cr.hl7"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not available")
+    return make_test_pki(tmp_path_factory.mktemp("pki"))
+
+
+def tls_channel(pki: Path, *, client_ca: bool = False) -> ChannelSettings:
+    return ChannelSettings(name="adt", listen="127.0.0.1:0", tls_cert=pki / "server.pem",
+                           tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem" if client_ca else None)
+
+
+async def send(*args: str) -> tuple[int, str, str]:
+    """``hl7-agent send ARGS SAMPLE`` as a subprocess; (exit code, stdout, stderr)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HL7_AGENT_")}
+    # An empty trust store for "the system store": the test CA is surely not in it.
+    env["SSL_CERT_FILE"] = os.devnull
+    env.pop("SSL_CERT_DIR", None)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "agent", "send", "--timeout", "10", *args, str(SAMPLE),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+class TestSendTls:
+    def test_verified_server_gets_the_message(self, tmp_path: Path, pki: Path) -> None:
+        """--tls --ca: the server's certificate is verified for --host and the sender gets AA."""
+
+        async def scenario(port: int) -> None:
+            code, out, err = await send("--host", "127.0.0.1", "--port", str(port), "--tls",
+                                        "--ca", str(pki / "ca.pem"))
+            assert code == 0, err
+            assert "MSA|AA|MSG00001" in out
+
+        run_with_agent(tmp_path, tls_channel(pki), scenario)
+
+    def test_untrusted_or_misnamed_server_is_refused(self, tmp_path: Path, pki: Path) -> None:
+        """Without --ca the system store does not know the CA; --host localhost is not the
+        certificate's name (IP 127.0.0.1): both exit 1 with one line, nothing sent."""
+
+        async def scenario(port: int) -> None:
+            code, out, err = await send("--host", "127.0.0.1", "--port", str(port), "--tls")
+            assert (code, out) == (1, "")
+            assert err.startswith(f"hl7-agent: send: TLS handshake with 127.0.0.1:{port} failed: "
+                                  "certificate verify failed")
+            code, out, err = await send("--host", "localhost", "--port", str(port), "--tls",
+                                        "--ca", str(pki / "ca.pem"))
+            assert (code, out) == (1, "")
+            assert "certificate verify failed" in err and "localhost" in err
+
+        run_with_agent(tmp_path, tls_channel(pki), scenario)
+
+    def test_client_certificate(self, tmp_path: Path, pki: Path) -> None:
+        """A channel with tls_client_ca takes --cert/--key and refuses a sender without them."""
+
+        async def scenario(port: int) -> None:
+            base = ("--host", "127.0.0.1", "--port", str(port), "--tls", "--ca", str(pki / "ca.pem"))
+            code, out, err = await send(*base, "--cert", str(pki / "client.pem"),
+                                        "--key", str(pki / "client.key"))
+            assert code == 0, err
+            assert "MSA|AA|MSG00001" in out
+            code, out, err = await send(*base)
+            assert code == 1
+            assert "MSA|AA" not in out
+
+        run_with_agent(tmp_path, tls_channel(pki, client_ca=True), scenario)
+
+    def test_tls_options_need_tls(self, tmp_path: Path, pki: Path) -> None:
+        """--ca without --tls, or --key without --cert, is a usage error (exit 2)."""
+
+        async def scenario(port: int) -> None:
+            code, _out, err = await send("--port", str(port), "--ca", str(pki / "ca.pem"))
+            assert code == 2 and "need --tls" in err
+            code, _out, err = await send("--port", str(port), "--tls", "--key", str(pki / "client.key"))
+            assert code == 2 and "--key needs --cert" in err
+            code, _out, err = await send("--port", str(port), "--tls", "--ca", str(tmp_path / "nope.pem"))
+            assert code == 1 and err.startswith("hl7-agent: send: cannot load --ca")
+
+        run_with_agent(tmp_path, tls_channel(pki), scenario)
+
+
+class TestHandshakeFailuresLogged:
+    def test_plain_mllp_on_a_tls_channel(self, tmp_path: Path, pki: Path) -> None:
+        """A plain sender is logged once per minute per source, with the reason, no body; later
+        failures of that source are counted, not logged; a TLS sender is still served."""
+        with capture_logs() as logs:
+
+            async def scenario(port: int) -> None:
+                for _ in range(3):
+                    with pytest.raises((ConnectionError, OSError, TimeoutError)):
+                        await exchange(port, hl7_message("PLAIN1", pid="SECRET-PID"))
+                context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+                assert b"MSA|AA|TLS1" in await exchange(port, hl7_message("TLS1"), tls=context)
+
+            run_with_agent(tmp_path, tls_channel(pki), scenario)
+        (failed,) = log_events(logs, "tls_handshake_failed")
+        assert failed["log_level"] == "warning"
+        assert failed["channel"] == "adt"
+        assert failed["peer"].startswith("127.0.0.1:")
+        assert "does not speak TLS" in failed["reason"]
+        assert failed["not_logged"] == 0
+        text = repr(logs)
+        assert "SECRET-PID" not in text and "PLAIN1" not in text
+
+    def test_missing_client_certificate_is_named(self, tmp_path: Path, pki: Path) -> None:
+        """A sender without a certificate on a tls_client_ca channel: the reason says so."""
+        with capture_logs() as logs:
+
+            async def scenario(port: int) -> None:
+                context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+                with pytest.raises((ConnectionError, OSError, ssl.SSLError)):
+                    await exchange(port, hl7_message("NOCERT"), tls=context)
+
+            run_with_agent(tmp_path, tls_channel(pki, client_ca=True), scenario)
+        (failed,) = log_events(logs, "tls_handshake_failed")
+        assert "certificate" in failed["reason"], failed
+
+    def test_refused_source_gets_no_handshake(self, tmp_path: Path, pki: Path) -> None:
+        """A peer outside allowed_sources is closed before any TLS: no handshake failure logged."""
+        channel = tls_channel(pki).model_copy(update={"allowed_sources": ["10.0.0.0/8"]})
+        with capture_logs() as logs:
+
+            async def scenario(port: int) -> None:
+                with pytest.raises((ConnectionError, OSError)):
+                    await exchange(port, hl7_message("DENIED"))
+
+            run_with_agent(tmp_path, channel, scenario)
+        assert log_events(logs, "connection_refused_source")
+        assert not log_events(logs, "tls_handshake_failed")
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[dict[str, Any]] = []
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self.lines.append({"event": event, **fields})
+
+
+class TestRateLimit:
+    def test_once_per_source_per_minute_with_a_count(self) -> None:
+        """The second minute's first failure carries the count of those not logged in the first."""
+        now = [1000.0]
+        log = _Log()
+        failures = HandshakeFailures(log, clock=lambda: now[0])
+        error = ConnectionResetError()
+        assert failures.failed("10.0.0.1", "10.0.0.1:5000", error)
+        for _ in range(4):
+            now[0] += 10
+            assert not failures.failed("10.0.0.1", "10.0.0.1:5001", error)
+        assert failures.failed("10.0.0.2", "10.0.0.2:6000", error), "another source is its own"
+        now[0] += 25
+        assert failures.failed("10.0.0.1", "10.0.0.1:5002", error)
+        assert [(line["peer"], line["not_logged"]) for line in log.lines] == [
+            ("10.0.0.1:5000", 0), ("10.0.0.2:6000", 0), ("10.0.0.1:5002", 4)]
+        assert log.lines[0]["reason"] == "connection closed during the handshake"
