@@ -70,6 +70,17 @@ def _head_of(store: SqliteStore, channel: str) -> tuple[HeadRow | None, bool]:
     return store.channel_head(channel), channel in store.paused_channels()
 
 
+def _claim_and_mark(store: SqliteStore, holder: str, epoch: int, send: Send) -> int | None:
+    """Event.CLAIM then Event.SEND in one commit: the new attempt number, or None if the claim failed.
+
+    One fsync instead of two on the way out; the row is still provably
+    unsent until this commit returns, as with two.
+    """
+    if not store.claim(holder, epoch, send.id):
+        return None
+    return store.mark_inflight(holder, epoch, send.id, State.CLAIMED, send.attempts)
+
+
 def _settle(store: SqliteStore, holder: str, epoch: int, a: Settle) -> bool:
     """Event.SETTLE for this attempt; with ``a.pause``, the channel's pause flag in the same commit."""
     done = store.settle(
@@ -178,18 +189,25 @@ class ChannelWorker:
                 continue
             policy = self.paused if paused else self.running
             decision = decide_head(head, policy, session_facts(link), time.time())
-            if isinstance(decision, Claim):
-                try:
-                    claimed = await ctx.writer.call(SqliteStore.claim, ctx.holder, self.epoch, decision.id)
-                except StorageError as exc:
-                    self.log.warning("dispatch_claim_failed", error=str(exc))
-                    await ctx.sleep(1.0)
-                    continue
-                if not claimed or head is None:
-                    continue
-                # Straight on to the send, without reading the head again.
+            claim_too = False
+            if isinstance(decision, Claim) and head is not None:
+                # What the core does with the head once claimed: a Send (the
+                # session is up) commits the claim and the inflight mark
+                # together; anything else claims alone and looks again.
                 head = dataclasses.replace(head, state=State.CLAIMED)
-                decision = decide_head(head, policy, session_facts(link), time.time())
+                then = decide_head(head, policy, session_facts(link), time.time())
+                if isinstance(then, Send):
+                    decision, claim_too = then, True
+                else:
+                    try:
+                        claimed = await ctx.writer.call(SqliteStore.claim, ctx.holder, self.epoch, decision.id)
+                    except StorageError as exc:
+                        self.log.warning("dispatch_claim_failed", error=str(exc))
+                        await ctx.sleep(1.0)
+                        continue
+                    if not claimed:
+                        continue
+                    decision = then
             if isinstance(decision, Wait):
                 until = decision.until
                 await self._idle(self.idle_poll if until is None else until - time.time())
@@ -210,7 +228,7 @@ class ChannelWorker:
             mlog = self.log.bind(id=head.id, control_id=head.control_id, seq=head.seq)
             try:
                 if isinstance(decision, Send):
-                    await self._send(decision, head, policy, session, mlog)
+                    await self._send(decision, head, policy, session, mlog, claim=claim_too)
                 elif isinstance(decision, (GiveUp, Requeue)):
                     # A head that cannot be sent: undecodable, or ambiguous
                     # (given up, or requeued on guaranteed delivery).
@@ -221,14 +239,21 @@ class ChannelWorker:
                 self.log.warning("dispatch_storage_error", error=str(exc))
                 await ctx.sleep(1.0)
 
-    async def _send(self, send: Send, head: HeadRow, policy: ChannelPolicy, session: Session, mlog: Any) -> None:
-        """Commit inflight, write the frame, and apply what the answer (or its absence) means."""
+    async def _send(self, send: Send, head: HeadRow, policy: ChannelPolicy, session: Session, mlog: Any,
+                    *, claim: bool = False) -> None:
+        """Commit inflight (``claim``: the claim too, in the same commit), write the frame,
+        and apply what the answer (or its absence) means."""
         ctx = self.ctx
         ctx.sending.add(head.id)
         try:
-            attempt = await ctx.writer.call(
-                SqliteStore.mark_inflight, ctx.holder, self.epoch, send.id, send.from_state, send.attempts
-            )
+            if claim:
+                attempt = await ctx.writer.call(_claim_and_mark, ctx.holder, self.epoch, send)
+                if attempt is None:
+                    return  # the row changed since it was read (an operator): look again
+            else:
+                attempt = await ctx.writer.call(
+                    SqliteStore.mark_inflight, ctx.holder, self.epoch, send.id, send.from_state, send.attempts
+                )
             action: Settle | Requeue | GiveUp | KeepInflight
             if session.closed:
                 # The session ended while inflight was being committed: the
