@@ -9,7 +9,10 @@ flag of ``on_reject = "pause"`` in the same commit), fenced on the tenure's
 epoch (the store raises LeaseLost when the fence fails; it ends the tenure).
 
 Strict FIFO today: one row of the channel in flight, the next is not sent
-before it settled (docs/protocol.md#ordering-per-channel).
+before it settled (docs/protocol.md#ordering-per-channel). To spare fsyncs,
+the claim and the inflight mark share one commit, and a settle carries the
+next head's claim and inflight mark in its own commit when the core would
+send that head at once: one commit per message while a backlog drains.
 """
 
 from __future__ import annotations
@@ -91,6 +94,41 @@ def _settle(store: SqliteStore, holder: str, epoch: int, a: Settle) -> bool:
     if done and a.pause is not None:
         store.pause_channel(a.pause.channel, a.pause.reason)
     return done
+
+
+@dataclass(frozen=True, slots=True)
+class _Next:
+    """The channel's next head, claimed and marked inflight in its predecessor's settle commit."""
+
+    head: HeadRow
+    send: Send
+    policy: ChannelPolicy
+    attempt: int
+
+
+def _settle_and_next(
+    store: SqliteStore, holder: str, epoch: int, a: Settle,
+    policies: tuple[ChannelPolicy, ChannelPolicy], facts: SessionFacts, now: float,
+) -> tuple[bool, _Next | None]:
+    """Event.SETTLE of this row and, when the core would send the next head at once, its CLAIM and SEND.
+
+    One commit where there were three (settle, claim, inflight). The core
+    decides, as the worker loop would on reading the head after the settle;
+    a failure of any part fails the whole commit, as a failed settle does.
+    """
+    if not _settle(store, holder, epoch, a):
+        return False, None
+    running, paused = policies
+    head, is_paused = _head_of(store, running.name)
+    policy = paused if is_paused else running
+    if head is None or not isinstance(decide_head(head, policy, facts, now), Claim):
+        return True, None
+    claimed = dataclasses.replace(head, state=State.CLAIMED)
+    send = decide_head(claimed, policy, facts, now)
+    if not isinstance(send, Send):
+        return True, None
+    attempt = _claim_and_mark(store, holder, epoch, send)
+    return True, None if attempt is None else _Next(claimed, send, policy, attempt)
 
 
 def _give_up(store: SqliteStore, holder: str, epoch: int, a: GiveUp) -> bool:
@@ -254,14 +292,24 @@ class ChannelWorker:
                 attempt = await ctx.writer.call(
                     SqliteStore.mark_inflight, ctx.holder, self.epoch, send.id, send.from_state, send.attempts
                 )
-            action: Settle | Requeue | GiveUp | KeepInflight
-            if session.closed:
-                # The session ended while inflight was being committed: the
-                # frame was provably never written, so this is no ambiguous row.
-                action = on_loss(head, attempt, Loss.NOT_WRITTEN, policy, replay=session.replay)
-            else:
-                action = await self._exchange(with_attempt(send, attempt), head, policy, session, mlog)
-            await self._apply(action, mlog)
+            while True:
+                action: Settle | Requeue | GiveUp | KeepInflight
+                if session.closed:
+                    # The session ended while inflight was being committed: the
+                    # frame was provably never written, so this is no ambiguous row.
+                    action = on_loss(head, attempt, Loss.NOT_WRITTEN, policy, replay=session.replay)
+                else:
+                    action = await self._exchange(with_attempt(send, attempt), head, policy, session, mlog)
+                follow = None if ctx.stopping.is_set() or session.closed else session
+                nxt = await self._apply(action, mlog, follow=follow)
+                if nxt is None:
+                    return
+                # The next head's inflight mark was committed with this settle:
+                # it is in flight before this row leaves ``sending``.
+                ctx.sending.add(nxt.head.id)
+                ctx.sending.discard(head.id)
+                head, send, policy, attempt = nxt.head, nxt.send, nxt.policy, nxt.attempt
+                mlog = self.log.bind(id=head.id, control_id=head.control_id, seq=head.seq)
         finally:
             ctx.sending.discard(head.id)
 
@@ -314,14 +362,25 @@ class ChannelWorker:
         except StorageError as exc:
             mlog.warning("transmit_not_sent_requeue_failed", attempt=action.attempt, error=str(exc))
 
-    async def _apply(self, action: Settle | Requeue | GiveUp | KeepInflight, mlog: Any) -> None:
-        """One action, one store call (one commit); then its log line, metrics and relay."""
+    async def _apply(self, action: Settle | Requeue | GiveUp | KeepInflight, mlog: Any,
+                     *, follow: Session | None = None) -> _Next | None:
+        """One action, one store call (one commit); then its log line, metrics and relay.
+
+        ``follow``: a Settle also claims and marks inflight the channel's next
+        head in the same commit when the core sends it at once over this
+        session (the answer: that row, to be written next).
+        """
         if isinstance(action, KeepInflight):
-            return  # resent with the same id when the worker finds it at the head
+            return None  # resent with the same id when the worker finds it at the head
         for before in action.notes:
             before.write(mlog)
         ctx, epoch = self.ctx, self.epoch
-        if isinstance(action, Settle):
+        nxt: _Next | None = None
+        if isinstance(action, Settle) and follow is not None:
+            facts = SessionFacts(up=True, replay=follow.replay)
+            done, nxt = await ctx.writer.call(_settle_and_next, ctx.holder, epoch, action,
+                                              (self.running, self.paused), facts, time.time())
+        elif isinstance(action, Settle):
             done = await ctx.writer.call(_settle, ctx.holder, epoch, action)
         elif isinstance(action, GiveUp):
             done = await ctx.writer.call(_give_up, ctx.holder, epoch, action)
@@ -339,3 +398,4 @@ class ChannelWorker:
                 ctx.metrics.message_settled(self.name, action.state)
             if action.app_ack is not None and ctx.relay is not None:
                 ctx.relay.settled(action.id, action.app_ack)
+        return nxt
