@@ -22,7 +22,12 @@ ON CONFLICT (channel, sending_app, sending_facility, control_id) DO UPDATE SET
     app_ack = NULL, expires_at = excluded.expires_at
 
 -- name: dedupe_set_app_ack
-UPDATE dedupe_keys SET app_ack = :app_ack WHERE message_id = :message_id
+-- By the key's primary key, read from the row: dedupe_keys has no index on
+-- message_id, and a scan of every key per application ACK grows with the window.
+UPDATE dedupe_keys SET app_ack = :app_ack
+WHERE (channel, sending_app, sending_facility, control_id) =
+      (SELECT channel, sending_app, sending_facility, control_id FROM messages WHERE id = :message_id)
+  AND message_id = :message_id
 
 -- name: next_seqs
 -- Advance the channel's seq by :n (the rows one commit batch queues on it);
@@ -163,10 +168,12 @@ GROUP BY channel, state
 DELETE FROM dedupe_keys WHERE expires_at <= :now
 
 -- name: purge_terminal_older_than
+-- No ORDER BY: every row older than the cutoff goes, batch after batch; sorting
+-- them all for each batch of :limit cost time in proportion to the table.
 DELETE FROM messages WHERE id IN (
     SELECT id FROM messages
     WHERE state IN ('processed', 'rejected', 'nacked') AND updated_at < :cutoff
-    ORDER BY updated_at LIMIT :limit)
+    LIMIT :limit)
 
 -- name: purge_oldest_terminal
 DELETE FROM messages WHERE id IN (
