@@ -109,6 +109,7 @@ class TestBuildAckMsh:
         assert len(ids) == 200
         assert all(0 < len(i) <= 20 for i in ids)
         assert "CTRL1" not in ids
+        assert len({i[:10] for i in ids}) == 1  # one random prefix per process, then a counter
 
     def test_timestamp_has_zone(self) -> None:
         """MSH-7 defaults to now with a +/-ZZZZ time zone."""
@@ -116,6 +117,18 @@ class TestBuildAckMsh:
         assert len(ts) == len("20240115083005.1234+0100")
         assert ts[-5] in "+-"
         assert ts[14] == "."
+
+    def test_timestamp_of_now_is_the_clock_in_local_time(self) -> None:
+        """MSH-7 of "now" (formatted once per second, cached) is the wall clock, in its zone."""
+        for _ in range(50):
+            before = datetime.now().astimezone()
+            ts = segments(build_ack(env(V25), AckCode.AA))[0][6]
+            after = datetime.now().astimezone()
+            assert f"{before:%Y%m%d%H%M%S}" <= ts[:14] <= f"{after:%Y%m%d%H%M%S}"
+            assert ts[14] == "." and ts[15:19].isdigit()
+            assert ts[19:] == f"{after:%z}"
+            if ts[:14] == f"{before:%Y%m%d%H%M%S}":
+                assert int(ts[15:19]) >= before.microsecond // 100 - 1
 
     def test_naive_now_is_local(self) -> None:
         """A naive datetime is taken as local time and still gets a zone."""
