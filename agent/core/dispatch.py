@@ -153,12 +153,12 @@ NO_SESSION = SessionFacts(up=False)
 class Note:
     """A log line to write (never a message body): ``level`` is a structlog method name."""
 
-    level: Literal["info", "warning", "error"]
+    level: Literal["debug", "info", "warning", "error"]
     event: str
     fields: tuple[tuple[str, object], ...] = ()
 
     @classmethod
-    def of(cls, level: Literal["info", "warning", "error"], event: str, **fields: object) -> Note:
+    def of(cls, level: Literal["debug", "info", "warning", "error"], event: str, **fields: object) -> Note:
         return cls(level, event, tuple(fields.items()))
 
     def as_dict(self) -> dict[str, object]:
@@ -421,7 +421,8 @@ def on_response(
     app_ack, notes = _application_ack(row, status, response.ack)
     if kind is StatusClass.PROCESSED:
         return Settle(row.id, attempt, State.PROCESSED, response, app_ack,
-                      note=Note.of("info", "message_processed", status=status, attempt=attempt),
+                      # Debug: a line per delivered message costs what intake's did (bench/README.md).
+                      note=Note.of("debug", "message_processed", status=status, attempt=attempt),
                       stale=_stale(attempt), notes=notes)
     pause = (Pause(policy.name, f"rejected row {row.id} (status {status})")
              if policy.on_reject == "pause" else None)
