@@ -47,9 +47,11 @@ from agent.app.devserver import default_answer
 pytestmark = pytest.mark.slow
 
 DOCS = (REPO_ROOT / "docs" / "operations.md", REPO_ROOT / "docs" / "configuration.md")
-#: The ids the docs use as examples: replaced by the failed and the rejected row's ids.
+#: The ids the docs use as examples: replaced by the failed and the rejected row's ids,
+#: and (for ``queue fail``, which takes only queued rows) two rows a paused channel holds.
 DOC_FAILED_ID = "ccf67946-254e-4048-8a13-daff777ddcf6"
 DOC_REJECTED_ID = "0b1d5a52-7c3e-4f0a-9d26-5e8b1c4a7f90"
+DOC_QUEUED_IDS = ("5f0e2c1a-9b7d-4c3e-8f21-a6d4b0e9c713", "7a3c9e05-1d2b-4f6e-b8a0-3c5d7e9f1b24")
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,13 @@ def test_every_documented_command_runs(tmp_path: Path) -> None:
     blocks = [b for path in DOCS for b in doc_blocks(path)]
     assert sum(len(b.commands) for b in blocks) >= 20, "the docs' blocks were not found"
     server = DevServerThread(decide=_decide).start()
-    admin_port, adt_port, lab_port = free_port(), free_port(), free_port()
+    admin_port, adt_port, lab_port, held_port = free_port(), free_port(), free_port(), free_port()
     data = tmp_path / "data"
     config = toml_config(
         data,
         [{"name": "adt", "listen": f"127.0.0.1:{adt_port}", "max_attempts": 1},
-         {"name": "lab", "listen": f"127.0.0.1:{lab_port}", "max_attempts": 1}],
+         {"name": "lab", "listen": f"127.0.0.1:{lab_port}", "max_attempts": 1},
+         {"name": "held", "listen": f"127.0.0.1:{held_port}"}],
         server_url=server.url, admin_port=admin_port,
     )
     daemon = Daemon(tmp_path, config)
@@ -138,6 +141,12 @@ def test_every_documented_command_runs(tmp_path: Path) -> None:
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     try:
         daemon.start().wait_started()
+        # A paused channel keeps its rows queued: what `queue fail` sets aside.
+        subprocess.run([sys.executable, "-m", "agent", "channel", "pause", "held"], env=env,
+                       capture_output=True, timeout=60, check=True)
+        with MllpClient(held_port) as held:
+            for control_id in ("HELD1", "HELD2"):
+                assert ack_code(held.exchange(hl7_message(control_id))) == "AA"
         with MllpClient(adt_port) as adt, MllpClient(lab_port) as lab:
             for client, control_id in ((adt, "FAIL1"), (adt, "MSG00812"), (lab, "REJ1"), (lab, "LAB1")):
                 assert ack_code(client.exchange(hl7_message(control_id))) == "AA"
@@ -148,7 +157,12 @@ def test_every_documented_command_runs(tmp_path: Path) -> None:
                  30, interval=0.3, what="a failed, a rejected, two processed and a nacked row")
         failed_id, rejected_id = _row_id(env, "failed", "adt"), _row_id(env, "rejected", "lab")
         assert failed_id and rejected_id
+        held_rows = sorted(_queue_json(env, "list", "--state", "queued", "--channel", "held"),
+                           key=lambda r: r["seq"])
+        assert len(held_rows) == 2
         substitutions = [
+            *((doc, row["id"]) for doc, row in zip(DOC_QUEUED_IDS, held_rows, strict=True)),
+            *((doc[:8], row["id"][:8]) for doc, row in zip(DOC_QUEUED_IDS, held_rows, strict=True)),
             (DOC_FAILED_ID, failed_id), (DOC_REJECTED_ID, rejected_id),
             (DOC_FAILED_ID[:8], failed_id[:8]),
             ("127.0.0.1:9575", f"127.0.0.1:{admin_port}"),
@@ -167,6 +181,8 @@ def test_every_documented_command_runs(tmp_path: Path) -> None:
                 where = f"{block.doc} line {block.line}: {command}"
                 assert proc.returncode == 0, f"{where}\nexit {proc.returncode}\n{proc.stderr}{proc.stdout}"
                 if first_word is not None:
+                    for old, new in substitutions:
+                        first_word = first_word.replace(old, new)
                     assert proc.stdout.split()[:1] == [first_word], f"{where}\n{proc.stdout}"
 
         ran = 0
