@@ -274,7 +274,8 @@ def build_ack(
         # minimal reject) gets defaults: the ERR layout depends on the version.
         processing_id = copied(inbound.processing_id)
         version_id = copied(inbound.version_id)
-        if not version_id:
+        # MSH-12.1 (the version itself) is what a reader requires: "^^^" is missing too.
+        if not version_id.split(delims.component, 1)[0]:
             processing_id = processing_id or _DEFAULT_PROCESSING_ID
             version_id = _DEFAULT_VERSION
         version = _version_tuple(version_id, delims.component)

@@ -517,6 +517,9 @@ class TestAckProperties:
     # Found by this test in CI: "." as the field separator met MSH-7's decimal point.
     @example(payload=b"MSH.!", code=AckCode.AA, text="", codec="", error_code=0)
     @example(payload=b"MSH+^~\\&", code=AckCode.AA, text="", codec="", error_code=0)
+    # Found by this test: MSH-12 "^^^" (components, but no version) was copied, and the ACK did not read back.
+    @example(payload=b"MSH|^~\\&|SAP|KLINIKUM|HL7AGENT|CENTRAL|20240115110000||ADT^A01^ADT_A01|DE-4711|P|^^^\r",
+             code=AckCode.AA, text="", codec="", error_code=0)
     def test_any_inbound_gives_one_clean_readable_ack(
         self, payload: bytes, code: AckCode, text: str, codec: str, error_code: int
     ) -> None:
