@@ -39,7 +39,7 @@ class UsageError(ConfigError):
 
 
 class AdminListenInUse(ConfigError):
-    """The admin address is taken: two overlapping versions each need their own (SPEC 7)."""
+    """The admin address is taken: two overlapping versions each need their own (docs/deploy.md#bluegreen-pair-and-upgrades)."""
 
 
 class LocalError(AgentError):

@@ -298,12 +298,16 @@ class Upstream(JsonLineServer):
 
 
 def agent_config(data_dir: Path, channels: Sequence[dict[str, Any]], *, admin_port: int,
-                 server_url: str | None = None, agent_id: str = "bench-agent") -> str:
-    """A production-like configuration: defaults except where a bench needs something else."""
+                 server_url: str | None = None, agent_id: str = "bench-agent",
+                 queue: Sequence[str] = ('synchronous = "full"',)) -> str:
+    """A production-like configuration: defaults except where a bench needs something else.
+
+    ``queue``: the ``[queue]`` keys (:func:`queue_database` gives them per backend).
+    """
     lines = ["[agent]", f'id = "{agent_id}"', f'data_dir = "{data_dir}"', "",
              "[admin]", f'listen = "127.0.0.1:{admin_port}"', "",
              "[logging]", 'level = "info"', 'format = "json"', "",
-             "[queue]", 'synchronous = "full"', ""]
+             "[queue]", *queue, ""]
     if server_url:
         lines += ["[server]", f'url = "{server_url}"', 'token = "bench-token"', ""]
     for channel in channels:
@@ -311,6 +315,46 @@ def agent_config(data_dir: Path, channels: Sequence[dict[str, Any]], *, admin_po
         lines += [f"{key} = {json.dumps(value)}" for key, value in channel.items()]
         lines.append("")
     return "\n".join(lines)
+
+
+BACKENDS = ("sqlite", "postgresql")
+
+
+@contextlib.contextmanager
+def queue_database(workdir: Path, backend: str, dsn: str | None = None) -> Iterator[list[str]]:
+    """The ``[queue]`` keys of the agent under test, on ``backend``.
+
+    ``sqlite``: ``synchronous = "full"`` (queue.db in the data dir). ``postgresql``:
+    the database of ``dsn`` as it is (give an empty one: the agent creates its
+    tables there, and rows left by an earlier run would be delivered too), or,
+    without one, a fresh database on a throwaway local cluster
+    (tests/pgserver.py, fsync and synchronous_commit on) whose data lives in
+    the work dir, so the work dir decides the disk here too; its password
+    goes into a ``password_file``.
+    """
+    if backend == "sqlite":
+        yield ['synchronous = "full"']
+        return
+    if dsn is not None:
+        yield ['backend = "postgresql"', f"dsn = {json.dumps(dsn)}"]
+        return
+    sys.path.insert(0, str(REPO / "tests"))
+    from pgserver import PostgresServer, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        raise BenchError(f"--backend postgresql without --dsn starts a local server: {reason}")
+    if os.geteuid() == 0:
+        workdir.chmod(0o755)  # the server runs as an unprivileged user under it
+    server = PostgresServer(workdir / "pg")
+    try:
+        server.start()
+        secret = workdir / "db-password"
+        secret.write_text(server.password + "\n")
+        yield ['backend = "postgresql"', f"dsn = {json.dumps(server.dsn(server.fresh_database('bench')))}",
+               f"password_file = {json.dumps(str(secret))}"]
+    finally:
+        server.destroy()
 
 
 def channels_on_ports(count: int, **extra: Any) -> list[dict[str, Any]]:

@@ -113,7 +113,8 @@ async def main_async(args: argparse.Namespace) -> Upstream:
             print(json.dumps({"t": time.monotonic(), "received": upstream.received,
                               "sessions": upstream.sessions}), flush=True)
             try:
-                await asyncio.wait_for(stop.wait(), 0.25)
+                async with asyncio.timeout(0.25):
+                    await stop.wait()
             except TimeoutError:
                 pass
     return upstream

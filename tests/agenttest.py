@@ -46,6 +46,23 @@ def hl7_message(control_id: str, *, pid: str = "12345", sending_app: str = "LAB"
             f"PID|1||{pid}^^^MRN||DOE^JANE||19800101|F\rPV1|1|I|WARD^1^1\r").encode()
 
 
+def batch_of(*messages: bytes, fhs: bool = False, count: int | None = None) -> bytes:
+    """An HL7 batch frame payload (BHS … BTS, inside FHS … FTS with ``fhs``) of ``messages``."""
+    head = b"FHS|^~\\&|LAB|NORTH|EHR|CENTRAL|20260101||||F-IN\r" if fhs else b""
+    n = len(messages) if count is None else count
+    body = head + b"BHS|^~\\&|LAB|NORTH|EHR|CENTRAL|20260101||||B-IN\r" + b"".join(messages) + b"BTS|%d\r" % n
+    return body + (b"FTS|1\r" if fhs else b"")
+
+
+def members_of(ack_batch: bytes) -> list[bytes]:
+    """The ACKs inside an ACK batch, in order (AssertionError when it is no well-formed batch)."""
+    from agent.core.batch import split_batch
+
+    batch = split_batch(ack_batch)
+    assert batch is not None and batch.problem is None, ack_batch
+    return list(batch.members)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -25,9 +25,10 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PostgresServer", "find_bin_dir", "unavailable_reason"]
+__all__ = ["PgDatabase", "PostgresServer", "find_bin_dir", "unavailable_reason"]
 
 _databases = itertools.count(1)
 
@@ -213,3 +214,46 @@ class PostgresServer:
             yield
         finally:
             self.start()
+
+
+@dataclass(frozen=True)
+class PgDatabase:
+    """One test's own place on the session's server: a database, or a schema in a shared one.
+
+    ``dsn`` reaches it with libpq's own means (``options=-c search_path=…``
+    for a schema), as an operator sharing a database between applications would.
+    """
+
+    server: PostgresServer
+    name: str
+    schema: str | None = None
+
+    def _with(self, base: str) -> str:
+        if self.schema is None:
+            return base
+        return f"{base}?options=-csearch_path%3D{self.schema}"
+
+    @property
+    def dsn(self) -> str:
+        """A libpq URL with the password in it."""
+        return self._with(self.server.dsn(self.name, password=True))
+
+    @property
+    def dsn_without_password(self) -> str:
+        return self._with(self.server.dsn(self.name))
+
+    def queue_toml(self, directory: Path) -> str:
+        """The ``[queue]`` table of an agent on this database: the dsn without its password,
+        the password in a ``password_file`` written to ``directory``."""
+        secret = directory / "db-password"
+        secret.write_text(self.server.password + "\n", encoding="utf-8")
+        return (f'\n[queue]\nbackend = "postgresql"\ndsn = "{self.dsn_without_password}"\n'
+                f'password_file = "{secret}"\n')
+
+    def rows(self, sql: str, params: tuple[object, ...] | dict[str, object] = ()) -> list[tuple[object, ...]]:
+        """Read (or change) the database directly, as an operator with psql would."""
+        import psycopg
+
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            cur = conn.execute(sql, params)  # type: ignore[arg-type]
+            return list(cur.fetchall()) if cur.description else []

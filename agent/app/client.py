@@ -20,6 +20,7 @@ from pathlib import Path
 
 from agent.core import mllp
 from agent.core.acks import read_ack_code
+from agent.core.batch import is_batch, split_batch
 from agent.core.charsets import resolve_codec
 from agent.core.envelope import read_msh
 from agent.errors import HL7Error
@@ -32,7 +33,8 @@ _MSH_START = re.compile(rb"(?:^|\r)(?=MSH)")
 def split_messages(data: bytes) -> list[bytes]:
     """Messages in a file: MLLP-framed, or plain text split at lines starting ``MSH``.
 
-    Plain text gets ``\\n``/``\\r\\n`` turned into ``\\r`` (HL7 segments end with CR).
+    Plain text gets ``\\n``/``\\r\\n`` turned into ``\\r`` (HL7 segments end with CR); a
+    file that starts with ``FHS`` or ``BHS`` is an HL7 batch, sent as one frame.
     """
     data = data.removeprefix(_UTF8_BOM)  # files saved by Windows editors
     if mllp.START_BLOCK in data:
@@ -44,6 +46,8 @@ def split_messages(data: bytes) -> list[bytes]:
                   "(each frame must end with 0x1C 0x0D)", file=sys.stderr)
         return [e.payload for e in events if isinstance(e, mllp.Frame)]
     text = _LINE_ENDINGS.sub(b"\r", data)
+    if is_batch(text):
+        return [text.strip(b"\r\n \t") + b"\r"]
     messages = []
     for chunk in _MSH_START.split(text):
         chunk = chunk.strip(b"\r")
@@ -62,6 +66,14 @@ def decode_ack(ack: bytes) -> str:
             return ack.decode("utf-8")
         except UnicodeDecodeError:
             return ack.decode("latin-1")
+
+
+def ack_accepted(ack: bytes) -> bool:
+    """An ACK says AA/CA; an ACK batch (the answer to a batch) says so for every message in it."""
+    batch = split_batch(ack)
+    if batch is None:
+        return read_ack_code(ack) in ("AA", "CA")
+    return batch.problem is None and all(read_ack_code(m) in ("AA", "CA") for m in batch.members)
 
 
 class AckTimeout(Exception):
@@ -176,8 +188,7 @@ def send_files(host: str, port: int, files: list[str], *, timeout: float = 30.0,
             for segment in re.split(r"\r\n|\r|\n", text):
                 if segment:
                     print(segment)
-            code = read_ack_code(ack)
-            if code not in ("AA", "CA"):
+            if not ack_accepted(ack):
                 failures += 1
             print()
     return 1 if failures else 0

@@ -2,14 +2,13 @@
 
 Docker's HEALTHCHECK and the upgrade script run this every few seconds, so it
 is kept light (stdlib only, no prometheus-client import) and it answers with a
-bool — the CLI turns it into exit 0/1, never 2, because Docker reserves exit 2
-(SPEC 2).
+bool — the CLI (``cmd_health``) turns it into exit 0/1, never 2, because Docker reserves exit 2
+(docs/operations.md#exit-codes).
 """
 
 from __future__ import annotations
 
 import http.client
-from collections.abc import Callable
 
 from agent.core.addresses import parse_listen
 
@@ -38,19 +37,3 @@ def check_health(listen: str, timeout: float = 3.0) -> bool:
     except (OSError, ValueError, http.client.HTTPException):
         return False
 
-
-def health_exit_code(admin_listen: Callable[[], str | None], timeout: float = 3.0) -> int:
-    """Exit code for `hl7-agent health`: 0 live, 1 anything else.
-
-    ``admin_listen`` loads the configuration and returns ``[admin] listen``;
-    it is called here so that a configuration error also ends in 1, not 2
-    (Docker reserves 2). A disabled admin endpoint (None/"") cannot be probed:
-    1.
-    """
-    try:
-        listen = admin_listen()
-    except Exception:  # noqa: BLE001 — config errors included: health exits 0/1 only
-        return 1
-    if not listen:
-        return 1
-    return 0 if check_health(listen, timeout) else 1

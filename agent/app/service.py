@@ -37,14 +37,16 @@ from agent.errors import AdminListenInUse, ConfigError, StartupError, StorageErr
 from agent.runtime import adoption, audit, sockets
 from agent.runtime.admin import AdminServer, LoopHeartbeat, RuntimeView
 from agent.runtime.aio import cancel_and_wait, unless
+from agent.runtime.handover import HandoverServer, receive_handover
 from agent.runtime.metrics import AgentMetrics
 from agent.runtime.mllp_server import ChannelListener, IntakeContext
+from agent.runtime.outbound import OutboundChannel
 from agent.runtime.relay import AckRelay
 from agent.runtime.sdnotify import Notifier
 from agent.storage import maintenance
 from agent.storage import sqlite as db
 from agent.storage.maintenance import FREE_PAGE_SLACK
-from agent.storage.store import SqliteStore, db_options, make_store
+from agent.storage.store import SqliteStore, open_stores
 from agent.storage.writer import Reader, Writer
 
 if TYPE_CHECKING:
@@ -67,13 +69,14 @@ class Agent:
         self.metrics.set_info(agent_id=settings.agent.id, version=__version__)
         self.notifier = Notifier.from_environ()
         self.listeners: list[ChannelListener] = []
+        self.outbound: list[OutboundChannel] = []
         self.stop_requested = asyncio.Event()
         self.force_stop = asyncio.Event()
         self.started_at = time.time()
         self.writer: Writer | None = None
         self.reader: Reader | None = None
         self.relay: AckRelay | None = None
-        self.handover: sockets.HandoverServer | None = None
+        self.handover: HandoverServer | None = None
         self.adoption: adoption.AdoptionServer | None = None
         self.admin: AdminServer | None = None
         # The loop refreshes it; /healthz (another thread) fails when it goes stale.
@@ -92,16 +95,18 @@ class Agent:
         if problem is not None:
             raise StartupError(problem.message(), key="agent.data_dir", path=str(problem.path),
                                error=problem.error)
-        options = db_options(s.queue)
+        # SQLite's file in data_dir, or the PostgreSQL database of queue.dsn.
         try:
-            conn = db.open_database(s.db_path, s.agent.id, options, time.time())
+            writer_store, reader_store = open_stores(s.db_path, s.queue, s.agent.id, time.time())
         except (OSError, StorageError) as exc:
             error = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
+            if s.queue.backend == "postgresql":
+                raise StartupError(f"queue.dsn: {error}", key="queue.dsn", error=error) from exc
             raise StartupError(f"agent.data_dir: {error}", key="agent.data_dir", path=str(s.db_path),
                                error=error) from exc
-        self.writer = Writer(make_store(conn, s.db_path, s.queue))
+        self.writer = Writer(writer_store)
         self.writer.start()
-        self.reader = Reader(make_store(db.connect(s.db_path, options, create=False), s.db_path, s.queue))
+        self.reader = Reader(reader_store)
 
     async def _listening_sockets(self) -> dict[str, socket.socket]:
         """systemd's sockets, else a predecessor's (handover), else bind (docs/deploy.md).
@@ -114,7 +119,7 @@ class Agent:
         choice. Whatever we bound or were handed goes to the fd store, so a
         restart after a crash refuses no connection.
         """
-        channels = {c.name: c for c in self.settings.channels}
+        channels = {c.name: c for c in self.settings.channels if not c.outbound}
         found: dict[str, socket.socket] = {}
         inherited = sockets.inherited_sockets()
         for name, socks in inherited.items():
@@ -141,7 +146,7 @@ class Agent:
         to_store: dict[str, socket.socket] = {}
         missing = channels.keys() - found.keys()
         if missing:
-            handed = await sockets.receive_handover(self.settings.agent.data_dir / HANDOVER_SOCKET)
+            handed = await receive_handover(self.settings.agent.data_dir / HANDOVER_SOCKET)
             for name, sock in (handed or {}).items():
                 if name in missing:
                     found[name] = to_store[name] = sock
@@ -151,7 +156,7 @@ class Agent:
                 log.info("listeners_received_by_handover", channels=sorted(set(handed) & missing))
         reuse_port = self.settings.agent.reuse_port
         for index, channel in enumerate(self.settings.channels):
-            if channel.name in found:
+            if channel.name in found or channel.outbound:
                 continue
             if reuse_port and not sockets.tcp_migrate_req_enabled():
                 log.warning(
@@ -192,8 +197,8 @@ class Agent:
             agent_id=self.settings.agent.id,
             version=__version__,
             started_at=self.started_at,
-            listeners_up=lambda: (bool(self.listeners) and all(lst.serving for lst in self.listeners))
-            or not self.settings.channels,
+            listeners_up=lambda: (len(self.listeners) == sum(not c.outbound for c in self.settings.channels)
+                                  and all(lst.serving for lst in self.listeners)),
             db_writable=self._db_writable,
             upstream_state=self._upstream_state,
             lease_held=lambda: bool(self.dispatcher is not None and self.dispatcher.lease_held),
@@ -204,6 +209,7 @@ class Agent:
             server_acks=lambda ids: reader.call_blocking(SqliteStore.server_acks, ids),
             live_depth=lambda: reader.call_blocking(SqliteStore.live_depth),
             history=self.metrics.history,
+            outbound=lambda: {o.channel.name: o.status() for o in self.outbound},
         )
 
     def _db_writable(self) -> tuple[bool, str]:
@@ -239,6 +245,9 @@ class Agent:
         )
         socks = await self._listening_sockets()
         for index, channel in enumerate(s.channels):
+            if channel.outbound:
+                await self._start_outbound(index, channel, ctx)
+                continue
             try:
                 listener = ChannelListener(channel, socks[channel.name], ctx)
             except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: a bad certificate or key
@@ -250,7 +259,7 @@ class Agent:
             self.listeners.append(listener)
             host, port = socks[channel.name].getsockname()[:2]
             log.info("listener_started", channel=channel.name, host=host, port=port, ack=channel.ack)
-        self.handover = sockets.HandoverServer(
+        self.handover = HandoverServer(
             s.agent.data_dir / HANDOVER_SOCKET, lambda: {lst.channel.name: lst.sock for lst in self.listeners}
         )
         try:
@@ -287,9 +296,27 @@ class Agent:
             agent_id=s.agent.id,
             version=__version__,
             channels=[c.name for c in s.channels],
-            db=str(s.db_path),
+            db=s.queue.dsn_masked if s.queue.backend == "postgresql" else str(s.db_path),
             upstream=s.server.url,
         )
+
+    async def _start_outbound(self, index: int, channel: Any, ctx: IntakeContext) -> None:  # noqa: ANN401
+        """An outbound channel (``connect``): dial the sender, keep the connection, redial after a loss."""
+        try:
+            outbound = OutboundChannel(channel, ctx)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: a bad CA, certificate or key
+            error = str(exc)
+            key = "tls_cert" if channel.tls_cert is not None else "tls_server_ca"
+            raise StartupError(f"channels.{channel.name}.{key}: cannot load the TLS files: {error}",
+                               key=f"channels[{index}].{key}", error=error) from exc
+        await outbound.start()
+        self.outbound.append(outbound)
+        log.info("outbound_channel_started", channel=channel.name, connect=channel.connect, ack=channel.ack,
+                 tls=channel.tls_server_ca is not None)
+
+    def _intakes(self) -> list[ChannelListener | OutboundChannel]:
+        """Every channel's intake: listeners and outbound channels stop the same way."""
+        return [*self.listeners, *self.outbound]
 
     def _start_admin(self) -> None:
         """Bind the admin address; when another process holds it, keep trying in the background.
@@ -379,7 +406,8 @@ class Agent:
         up = "upstream connected" if self.dispatcher is not None and self.dispatcher.connected else (
             "no upstream configured" if not self.settings.server.url else "upstream not connected")
         held = ", lease held" if self.dispatcher is not None and self.dispatcher.lease_held else ""
-        return f"listening on {len(self.listeners)} channel(s); {up}{held}"
+        dialling = f", dialling out on {len(self.outbound)}" if self.outbound else ""
+        return f"listening on {len(self.listeners)} channel(s){dialling}; {up}{held}"
 
     async def _watchdog(self) -> None:
         """WATCHDOG=1 at half of WatchdogSec= (sd_watchdog_enabled(3)), STATUS= when it changes.
@@ -432,6 +460,9 @@ class Agent:
         wal = self.settings.db_path.with_name(self.settings.db_path.name + "-wal")
         was_refusing: str | None = None
         shrink_owed = False  # pages released that the file has not given back yet
+        if not writer.store.dialect.file_maintenance:
+            await self._retention_sweeps(writer)
+            return
         try:
             if await reader.call(maintenance.auto_vacuum) == db.AUTO_VACUUM_NONE:
                 log.info("queue_file_keeps_free_pages",
@@ -494,6 +525,20 @@ class Agent:
             except (OSError, StorageError) as exc:
                 log.warning("maintenance_failed", error=str(exc))
 
+    async def _retention_sweeps(self, writer: Writer) -> None:
+        """The retention sweep alone, every ``retention_interval``: a database server keeps
+        its own files and disk (PostgreSQL's autovacuum, its WAL), so the rest of
+        :meth:`_maintenance` is not ours there. Every host runs it; sweeps never overlap
+        (each is one write transaction)."""
+        while True:
+            try:
+                purged = await writer.call(maintenance.reclaim, time.time())
+                if purged:
+                    log.info("retention_purged", rows=purged)
+            except StorageError as exc:
+                log.warning("maintenance_failed", error=str(exc))
+            await asyncio.sleep(self.settings.queue.retention_interval)
+
     # -- stop ----------------------------------------------------------------
 
     def install_signal_handlers(self) -> None:
@@ -518,7 +563,7 @@ class Agent:
         return done is not None
 
     async def _connections_closed(self) -> None:
-        await asyncio.gather(*(lst.wait_connections_closed() for lst in self.listeners))
+        await asyncio.gather(*(lst.wait_connections_closed() for lst in self._intakes()))
 
     async def shutdown(self) -> None:
         s = self.settings
@@ -531,9 +576,9 @@ class Agent:
             # Ours stops taking connections; a successor's path is left alone,
             # and our connections are handed to it below.
             await self.adoption.close()
-        for listener in self.listeners:
+        for listener in self._intakes():
             listener.stop_accepting()
-        for listener in self.listeners:
+        for listener in self._intakes():
             listener.close_connections()
         # Connections finish the frame they are reading and their ACKs. One
         # whose sender waits for the server's application ACKs goes to the
@@ -544,12 +589,12 @@ class Agent:
         connections_by = deadline - budget / 3
         drained = await self._within(self._connections_closed(), connections_by - min(HELD_ACK_GRACE, budget / 4))
         if not drained:
-            for listener in self.listeners:
+            for listener in self._intakes():
                 listener.release_held_acks()
             drained = await self._within(self._connections_closed(), connections_by)
         if not drained:
-            log.warning("connections_aborted_at_budget", open=sum(len(lst.connections) for lst in self.listeners))
-        for listener in self.listeners:
+            log.warning("connections_aborted_at_budget", open=sum(len(lst.connections) for lst in self._intakes()))
+        for listener in self._intakes():
             listener.release_held_acks()
             listener.abort_connections()
         # Aborted connections end at once; let their tasks finish before the
@@ -571,8 +616,9 @@ class Agent:
             self.writer.close()
         if self.reader is not None:
             # Give the WAL's space back, but never queue behind a successor's writes.
-            with contextlib.suppress(Exception):
-                self.reader.call_blocking(maintenance.checkpoint, "TRUNCATE", wait=0.5)
+            if self.reader.store.dialect.file_maintenance:
+                with contextlib.suppress(Exception):
+                    self.reader.call_blocking(maintenance.checkpoint, "TRUNCATE", wait=0.5)
             self.reader.close()
 
 

@@ -1,4 +1,4 @@
-"""``listen`` addresses (SPEC 3): ``host:port`` or ``[v6]:port``. Standard library only.
+"""``listen`` addresses (docs/configuration.md#value-formats): ``host:port`` or ``[v6]:port``. Standard library only.
 
 One parser for the config, the admin server and ``hl7-agent health`` (which
 must stay light: it runs as a Docker HEALTHCHECK every few seconds).

@@ -23,6 +23,10 @@ Written for up to ``max_in_flight`` rows in flight per channel (one today:
 channels are strict FIFO; partitioned channels raise it): nothing here assumes
 the head is the only row in flight, and :func:`decide_head` is asked once per
 head with the count of the channel's other rows in flight.
+
+Over 400 lines on purpose: the head, answer and loss decisions must agree on
+every row's fate (attempts, backoff, the replay rule, giving up), so they sit
+side by side with the actions they return; each is a small function.
 """
 
 from __future__ import annotations
@@ -146,9 +150,6 @@ class SessionFacts:
     replay: bool = False
 
 
-NO_SESSION = SessionFacts(up=False)
-
-
 @dataclass(frozen=True, slots=True)
 class Note:
     """A log line to write (never a message body): ``level`` is a structlog method name."""
@@ -160,9 +161,6 @@ class Note:
     @classmethod
     def of(cls, level: Literal["debug", "info", "warning", "error"], event: str, **fields: object) -> Note:
         return cls(level, event, tuple(fields.items()))
-
-    def as_dict(self) -> dict[str, object]:
-        return dict(self.fields)
 
     def write(self, logger: Any) -> None:  # noqa: ANN401 - a structlog bound logger
         """Log it with ``logger``'s bound fields (``logger.info(event, **fields)`` …)."""

@@ -33,8 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import count
 
+from agent.core import batch as batch_
+from agent.core import intake_batch, mllp
 from agent.core import intake_policy as policy_
-from agent.core import mllp
 from agent.core.intake_actions import (
     DONE,
     READING,
@@ -55,6 +56,7 @@ from agent.core.intake_actions import (
 from agent.core.intake_types import (
     NO_REPLY,
     Audit,
+    BatchPlan,
     ChannelPolicy,
     CommitResult,
     Count,
@@ -113,6 +115,7 @@ class _Slot:
 
     reply: OwedReply | None = None  # None while its commit runs
     message: NewMessage | None = None  # being committed
+    batch: BatchPlan | None = None  # an HL7 batch being committed
     wait_token: int | None = None  # a held application ACK is awaited under this token
     deadline: float = 0.0  # until when (monotonic)
 
@@ -274,25 +277,39 @@ class IntakeConnection:
 
     def commit_done(self, ticket: int, results: Sequence[CommitResult]) -> None:
         slot = self._commits.pop(ticket)
-        message = slot.message
-        assert message is not None
+        plan, message = slot.batch, slot.message
+        slot.batch = None
         try:
-            decision = policy_.replies_for(message, results[0], self.policy)
+            if plan is not None:
+                decision = intake_batch.batch_replies(plan, list(results), self.policy)
+            else:
+                assert message is not None
+                decision = policy_.replies_for(message, results[0], self.policy)
         except Exception as exc:  # noqa: BLE001 - answered: no frame ends in silence
-            decision = policy_.handling_failed(exc, message.body, message.received_at)
+            decision = self._last_resort(exc, slot, plan)
         self._apply(decision, slot)
         self._sync()
 
     def commit_failed(self, ticket: int, error: BaseException) -> None:
         slot = self._commits.pop(ticket)
-        message = slot.message
-        assert message is not None
-        if isinstance(error, StorageError):
+        plan, message = slot.batch, slot.message
+        slot.batch = None
+        if not isinstance(error, StorageError):  # a bug, not the disk: the last resort's answer
+            decision = self._last_resort(error, slot, plan)
+        elif plan is not None:
+            decision = intake_batch.batch_storage_failed(plan, str(error))
+        else:
+            assert message is not None
             decision = policy_.storage_failed(message, str(error))
-        else:  # a bug, not the disk: the last resort's answer
-            decision = policy_.handling_failed(error, message.body, message.received_at)
         self._apply(decision, slot)
         self._sync()
+
+    @staticmethod
+    def _last_resort(exc: BaseException, slot: _Slot, plan: BatchPlan | None) -> Decision:
+        if plan is not None:
+            return policy_.handling_failed(exc, plan.body, plan.received_at)
+        assert slot.message is not None
+        return policy_.handling_failed(exc, slot.message.body, slot.message.received_at)
 
     def audit_done(self, error: str | None = None) -> None:
         self._audits_pending -= 1
@@ -305,7 +322,7 @@ class IntakeConnection:
         """The shell wrote (or failed to write) ``send``."""
         if ok:
             self._last_activity = self.clock.monotonic()
-        self._record_write(send.message_id, send.relayed, delivered=ok and not self._peer_gone)
+        self._record_write(send.message_id, send.relayed, delivered=ok and not self._peer_gone, also=send.also)
         self._sync()
 
     def writing_paused(self, paused: bool) -> None:
@@ -474,10 +491,16 @@ class IntakeConnection:
         self._slots.append(slot)
         payload = event.payload if isinstance(event, mllp.Frame) else event.prefix
         try:
-            if isinstance(event, mllp.Frame):
+            batch = batch_.split_batch(payload) if isinstance(event, mllp.Frame) else None
+            if batch is not None:
+                decision = intake_batch.decide_batch(payload, batch, self.policy, received_at)
+            elif isinstance(event, mllp.Frame):
                 decision = policy_.decide_frame(payload, self.policy, received_at)
             else:
-                decision = policy_.decide_oversize(payload, event.size, self.policy, received_at)
+                if batch_.is_batch(payload):
+                    decision = intake_batch.decide_oversize_batch(payload, event.size, self.policy, received_at)
+                else:
+                    decision = policy_.decide_oversize(payload, event.size, self.policy, received_at)
         except Exception as exc:  # noqa: BLE001 - answered: no frame ends in silence
             decision = policy_.handling_failed(exc, payload, received_at)
         self._apply(decision, slot)
@@ -526,7 +549,12 @@ class IntakeConnection:
                 self._actions.extend(effect.then)
             else:
                 self._emit(effect)
-        if decision.commit is not None:
+        if decision.batch is not None:
+            ticket = next(self._tickets)
+            slot.batch = decision.batch
+            self._commits[ticket] = slot
+            self._emit(Commit(ticket, decision.batch.messages))
+        elif decision.commit is not None:
             ticket = next(self._tickets)
             slot.message = decision.commit
             self._commits[ticket] = slot
@@ -567,22 +595,27 @@ class IntakeConnection:
                 break
             self._slots.popleft()
             for frame in head.reply.frames:
-                self._send(frame.frame, frame.message_id)
+                self._send(frame.frame, frame.message_id, also=frame.also)
             if head.reply.relay is not None:
                 self._start_relay(head.reply.relay, bounded=True)
+            for relay in head.reply.relays:
+                self._start_relay(relay, bounded=True)
 
-    def _send(self, ack: bytes, message_id: str | None, *, relayed: bool = False) -> None:
+    def _send(self, ack: bytes, message_id: str | None, *, relayed: bool = False, also: tuple[str, ...] = ()) -> None:
         if self.phase in WRITING:
             # Whatever the ACK's origin (built here, the server's text, a row
             # an older version stored): exactly one frame goes out.
-            self._emit(Send(mllp.encode_ack_frame(ack), message_id, relayed))
+            self._emit(Send(mllp.encode_ack_frame(ack), message_id, relayed, also))
         else:
-            self._record_write(message_id, relayed, delivered=False)
+            self._record_write(message_id, relayed, delivered=False, also=also)
 
-    def _record_write(self, message_id: str | None, relayed: bool, *, delivered: bool) -> None:
+    def _record_write(self, message_id: str | None, relayed: bool, *, delivered: bool,
+                      also: tuple[str, ...] = ()) -> None:
         if message_id is None or self.phase is Phase.HANDED_OVER:
             return
-        self._emit(RecordOutcome(message_id, AckOutcome.DELIVERED if delivered else AckOutcome.UNDELIVERED))
+        outcome = AckOutcome.DELIVERED if delivered else AckOutcome.UNDELIVERED
+        for each in (message_id, *also):
+            self._emit(RecordOutcome(each, outcome))
         if relayed:
             self._emit(Log("info", "application_ack_relayed" if delivered else "application_ack_undelivered",
                            {"id": message_id}))

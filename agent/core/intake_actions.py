@@ -64,6 +64,7 @@ class Send:
     frame: bytes
     message_id: str | None = None  # whose ack_outcome the write settles
     relayed: bool = False  # an enhanced-mode application ACK (logged once written)
+    also: tuple[str, ...] = ()  # further rows the write settles (the members of an ACK batch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,8 +69,12 @@ HELD_TIMEOUT_TEXT = "accepted and queued; resend later for the application respo
 # -- the checks before the commit ----------------------------------------------
 
 
-def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float) -> Decision:
-    """A complete frame under ``max_message_bytes``: refuse it, record it, or commit it."""
+def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float, *, ack_always: bool = False) -> Decision:
+    """A complete frame under ``max_message_bytes``: refuse it, record it, or commit it.
+
+    ``ack_always``: a member of an HL7 batch, whose ACK batch holds one ACK
+    per message whatever its MSH-15 says.
+    """
     try:
         env = envelope.read_msh(payload)
     except NoMshSegment:
@@ -88,7 +92,7 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float) -> D
     except MalformedMsh as exc:
         if exc.partial is None or not exc.partial.is_ack:
             return refuse(exc.partial, payload, Outcome.MALFORMED, exc.error_code, exc.text, received_at,
-                          codec=codec_or_default(exc.partial, policy))
+                          codec=codec_or_default(exc.partial, policy), ack_always=ack_always)
         env = exc.partial  # an inbound ACK is never answered, even a sloppy one
     received = Count(Counter.MESSAGE_RECEIVED)
     if env.is_ack:
@@ -101,16 +105,16 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float) -> D
         text = charsets.decode_message(payload, codec)
     except HL7Error as exc:
         return refuse(env, payload, Outcome.MALFORMED, exc.error_code, exc.text, received_at,
-                      first=(received,))
+                      first=(received,), ack_always=ack_always)
     refused = unsupported_reason(env, message_types=policy.accept_message_types,
                                  processing_ids=policy.accept_processing_ids,
                                  versions=policy.accept_versions)
     if refused is not None:
         return refuse(env, payload, Outcome.UNSUPPORTED, refused[0], refused[1], received_at, codec=codec,
-                      first=(received,))
+                      first=(received,), ack_always=ack_always)
     ack_mode: AckMode = "enhanced" if env.enhanced else policy.ack
     commit_ack = None
-    if ack_mode != "application" and acks.commit_ack_wanted(env, success=True):
+    if ack_always or (ack_mode != "application" and acks.commit_ack_wanted(env, success=True)):
         commit_ack = acks.build_ack(env, acks.ack_code(Outcome.COMMITTED, env.enhanced), codec=codec)
     return Decision((received,), commit=NewMessage(env, payload, codec, text, ack_mode, commit_ack, received_at))
 
@@ -185,8 +189,9 @@ def refuse(
     audit: bool = True,
     first: tuple[Effect, ...] = (),
     logs: tuple[Log, ...] = (),
+    ack_always: bool = False,
 ) -> Decision:
-    """A non-accept ACK (if MSH-15 wants one) and, with ``audit``, a ``nacked`` audit row.
+    """A non-accept ACK (if MSH-15 wants one, or ``ack_always``) and, with ``audit``, a ``nacked`` audit row.
 
     ``first`` is applied before; ``logs`` and the ``message_rejected`` line
     are written only when the audit row is kept (junk past the audit bound
@@ -195,7 +200,7 @@ def refuse(
     code = acks.ack_code(outcome, env.enhanced if env is not None else False)
     effects = list(first)
     ack: bytes | None = None
-    if env is None or acks.commit_ack_wanted(env, success=False):
+    if env is None or ack_always or acks.commit_ack_wanted(env, success=False):
         ack = acks.build_ack(env, code, text=text, error_code=error_code, codec=codec,
                              inbound_control_id=envelope.scrape_control_id(body) if env is None else "")
         effects.append(Count(Counter.MESSAGE_REJECTED, str(code)))
@@ -214,20 +219,21 @@ def refuse(
 # -- after the commit ---------------------------------------------------------------
 
 
-def replies_for(message: NewMessage, result: CommitResult, policy: ChannelPolicy) -> Decision:
+def replies_for(message: NewMessage, result: CommitResult, policy: ChannelPolicy, *,
+                ack_always: bool = False) -> Decision:
     """The store's answer for ``message``: the ACKs it is owed, or why it was not accepted."""
     env = message.envelope
     ids = {"control_id": env.control_id, "message_type": env.message_type, "id": result.message_id}
     if result.outcome == "backpressure":
         return refuse(env, message.body, Outcome.RESEND_LATER, 207, "queue full: message not accepted, resend later",
                       message.received_at, codec=message.codec, audit=False,
-                      first=(Log("warning", "message_refused_backpressure", ids),))
+                      first=(Log("warning", "message_refused_backpressure", ids),), ack_always=ack_always)
     if result.outcome == "conflict":
         return refuse(env, message.body, Outcome.DUPLICATE_KEY, 205,
                       f"duplicate key identifier: MSH-10 {env.control_id} was used for another message",
                       message.received_at, codec=message.codec,
                       first=(Log("warning", "control_id_reused_with_other_body",
-                                 {**ids, "prior_id": result.message_id}),))
+                                 {**ids, "prior_id": result.message_id}),), ack_always=ack_always)
     if result.outcome == "accepted":
         # Debug, not info: a line per message cost a fifth of intake's CPU (bench/README.md).
         first: tuple[Effect, ...] = (Log("debug", "message_committed", {**ids, "seq": result.seq}),
@@ -299,12 +305,13 @@ def held_answer(wait: OwedWait, app_ack: bytes | None, *, at_stop: bool) -> Deci
                     OwedReply((OwedFrame(ar),)))
 
 
-def storage_failed(message: NewMessage, error: str) -> Decision:
+def storage_failed(message: NewMessage, error: str, *, ack_always: bool = False) -> Decision:
     """The commit failed: AR/CE 207 "resend later", never AA/CA, and nothing kept (the disk is the problem)."""
     env = message.envelope
     failed = Log("error", "message_not_committed", {"control_id": env.control_id, "error": error})
     return refuse(env, message.body, Outcome.RESEND_LATER, 207, "storage failure: message not accepted, resend later",
-                  message.received_at, codec=message.codec, audit=False, first=(failed,))
+                  message.received_at, codec=message.codec, audit=False, first=(failed,),
+                  ack_always=ack_always)
 
 
 def handling_failed(exc: BaseException, payload: bytes, received_at: float) -> Decision:

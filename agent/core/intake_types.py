@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal, Protocol
 
+from agent.core.batch import Batch
 from agent.core.envelope import Envelope
 from agent.core.states import AckOutcome
 
@@ -24,6 +25,7 @@ __all__ = [
     "AckMode",
     "Audit",
     "AuditRecord",
+    "BatchPlan",
     "ChannelPolicy",
     "CommitResult",
     "Committed",
@@ -78,6 +80,16 @@ class NewMessage:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """An HL7 batch frame whose members passed every check: committed together, all or none."""
+
+    batch: Batch
+    messages: tuple[NewMessage, ...]  # one per member, in order
+    body: bytes  # the whole frame, as received
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class AuditRecord:
     """A frame refused or only recorded, kept as a ``nacked`` row (docs/queue.md#row-states)."""
 
@@ -117,6 +129,8 @@ class OwedFrame:
 
     frame: bytes
     message_id: str | None = None
+    #: Further rows the same write settles: the members of an ACK batch.
+    also: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +162,8 @@ class OwedReply:
     frames: tuple[OwedFrame, ...] = ()
     relay: OwedRelay | None = None
     wait: OwedWait | None = None
+    #: An ACK batch's members whose application ACKs follow it, one by one.
+    relays: tuple[OwedRelay, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,3 +248,4 @@ class Decision:
     effects: tuple[Effect, ...] = ()
     reply: OwedReply = NO_REPLY  # answered in its turn (arrival order)
     commit: NewMessage | None = None  # commit first: the reply comes from ``replies_for``
+    batch: BatchPlan | None = None  # commit these first: the reply comes from ``batch_replies``

@@ -39,7 +39,6 @@ __all__ = [
 START_BLOCK = b"\x0b"
 END_BLOCK = b"\x1c\x0d"
 
-_VT = 0x0B
 _FS = 0x1C
 _CR = 0x0D
 

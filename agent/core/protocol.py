@@ -21,6 +21,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, TypeAlias
 
+from agent.core.states import State
 from agent.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
@@ -45,8 +46,10 @@ EPOCH_REFUSED = 4001
 class StatusClass(StrEnum):
     """What a transmit_response status means for the row (docs/protocol.md#status-classes)."""
 
-    PROCESSED = "processed"  # 2xx: settle processed
-    REJECTED = "rejected"  # 4xx except 429: rejected for good, never retried
+    # Named after the row state each settles in (2xx processed; 4xx except 429
+    # rejected for good, never retried), so the two cannot drift apart.
+    PROCESSED = State.PROCESSED.value
+    REJECTED = State.REJECTED.value
     TRANSIENT = "transient"  # 5xx, 429 and anything v1 gives no meaning: retry with backoff
 
 

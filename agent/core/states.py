@@ -24,7 +24,6 @@ __all__ = [
     "ALL",
     "DEPTH",
     "LIVE",
-    "NEVER_PURGED",
     "PURGEABLE",
     "REDRIVABLE",
     "RETAINED",
@@ -35,7 +34,6 @@ __all__ = [
     "IllegalTransition",
     "Move",
     "State",
-    "check_event",
 ]
 
 
@@ -62,12 +60,11 @@ class AckOutcome(StrEnum):
 
 ALL: tuple[State, ...] = tuple(State)
 ACK_OUTCOMES: tuple[AckOutcome, ...] = tuple(AckOutcome)
-#: Rows that may still be delivered: the dispatcher's, never an operator's to delete.
+#: Rows that may still be delivered: the dispatcher's, never an operator's to delete,
+#: never purged (by retention or by ``queue purge``).
 LIVE = frozenset({State.QUEUED, State.CLAIMED, State.INFLIGHT})
 #: Rows whose dispatch ended (the server's answer, or giving up).
 SETTLED = frozenset({State.PROCESSED, State.REJECTED, State.FAILED})
-#: Never purged, by retention or by ``queue purge``.
-NEVER_PURGED = LIVE
 #: What ``queue purge`` may delete (``failed`` too, though never automatically).
 PURGEABLE = (State.PROCESSED, State.REJECTED, State.FAILED, State.NACKED)
 #: What retention and the size cap purge by themselves: ``failed`` rows are
@@ -130,8 +127,3 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 class IllegalTransition(LocalError):
     """Our bug: code asked for a move the state machine forbids."""
 
-
-def check_event(event: Event, old: State | str, new: State | str) -> None:
-    """Raise IllegalTransition unless ``event`` may move a row from ``old`` to ``new``."""
-    if State(old) not in event.sources or State(new) not in event.targets:
-        raise IllegalTransition(f"{event.name.lower()}: a {old} row cannot become {new}")

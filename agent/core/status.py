@@ -225,6 +225,21 @@ def _channel(name: str, counts: Mapping[str, Any], activity: Mapping[str, Any] |
     return result(ChannelState.IDLE, "idle — nothing waiting")
 
 
+def _outbound(info: Mapping[str, Any], now: float) -> tuple[str, bool]:
+    """An outbound channel's connection to its sender in words, and whether it stands."""
+    where = info.get("connect")
+    since = _epoch(info.get("since"))
+    for_how_long = f" for {human_duration(_age(now, since))}" if since is not None else ""
+    state = info.get("state")
+    if state == "connected":
+        return f"connected to the sender at {where}{for_how_long}", True
+    if state == "stopped":
+        return f"not dialling {where}: stopping", True
+    error = info.get("last_error")
+    why = f" (last error: {error})" if error else ""
+    return f"reconnecting to the sender at {where}{for_how_long}{why}", False
+
+
 def _lease(lease: Mapping[str, Any] | None, lease_held: bool | None, stats_ok: bool) -> dict[str, Any]:
     if not stats_ok:
         return {"level": Level.WARN, "text": "unknown", "holder": None}
@@ -246,6 +261,7 @@ def assess(
     lease_held: bool | None,
     listeners_up: bool | None,
     now: float,
+    outbound: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The ``assessment`` section of ``/status.json``: overall, upstream, lease, each channel.
 
@@ -253,6 +269,8 @@ def assess(
     per-channel activity as dicts, ``upstream`` the dispatcher's
     ``upstream_state()`` with ``since``. Any of them may be None (it could not
     be read): what depends on it says unknown rather than guess.
+    ``outbound``: per outbound channel (``connect``), its connection to the
+    sender (state, since, last error); one that is not connected is a warning.
     """
     lease = stats.get("lease") if stats is not None else None
     up = _upstream(upstream, lease_held, lease, now)
@@ -271,6 +289,16 @@ def assess(
     for c in channels:
         if c["level"] != Level.OK and c["state"] != ChannelState.UPSTREAM_DOWN:
             problems.append(f"{c['name']} {c['state']}")
+    for c in channels:
+        info = (outbound or {}).get(c["name"])
+        if info is None:
+            continue
+        text, connected = _outbound(info, now)
+        c["outbound"] = {**info, "text": text}
+        c["detail"].insert(0, text)
+        if not connected:
+            problems.append(f"{c['name']} {text}")
+            levels.append(Level.WARN)
     if stats is None:
         problems.append("queue unreadable")
         levels.append(Level.BAD)

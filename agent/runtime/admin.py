@@ -13,15 +13,19 @@ Routes (GET and HEAD; any other method is 405):
                   `hl7-agent health`). A loop stuck in a blocking call answers
                   no sender, so the process is not healthy however alive it is.
     /readyz       200 when the listeners are up and the database takes writes,
-                  else 503 with a one-line reason (SPEC 7: the upgrade script waits on it)
+                  else 503 with a one-line reason (the upgrade script waits on it: docs/deploy.md)
     /metrics      Prometheus exposition (agent.runtime.metrics)
     /             the status page (agent.runtime.statuspage)
     /status.json  the same facts as JSON: the sections below, and ``assessment``
                   (agent.core.status: each channel's state in words) and
                   ``history`` (agent.runtime.history: the last hour per minute)
 
-It binds loopback by default (SPEC 3 `[admin] listen = "127.0.0.1:9575"`):
+It binds loopback by default (`[admin] listen = "127.0.0.1:9575"`, docs/configuration.md#admin):
 the page names channels and control ids, which is operator information.
+
+Just over 400 lines on purpose: the threaded server, its routes and the
+checks behind /healthz and /readyz are one endpoint; what the pages show is
+built elsewhere (metrics, statuspage, statusview).
 """
 
 from __future__ import annotations

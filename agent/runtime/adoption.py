@@ -48,7 +48,7 @@ from agent.core.envelope import Envelope
 from agent.core.intake_types import NOTHING_OWED, Owed, OwedFrame, OwedRelay, OwedReply, OwedWait
 from agent.errors import HandoverError
 from agent.runtime.aio import cancel_and_wait
-from agent.runtime.sockets import (
+from agent.runtime.unixsock import (
     accept_forever,
     bind_unix_atomically,
     path_identity,
@@ -122,9 +122,13 @@ def owed_json(owed: Owed) -> dict[str, Any]:
             replies.append({"wait": {"id": w.message_id, "msh": _envelope_json(w.inbound), "codec": w.codec,
                                      "timeout": round(max(0.0, w.timeout), 3)}})
             continue
-        entry: dict[str, Any] = {"frames": [{"frame": _b64(f.frame), "id": f.message_id} for f in reply.frames]}
+        entry: dict[str, Any] = {"frames": [{"frame": _b64(f.frame), "id": f.message_id,
+                                             **({"also": list(f.also)} if f.also else {})}
+                                            for f in reply.frames]}
         if reply.relay is not None:
             entry["relay"] = _relay_json(reply.relay)
+        if reply.relays:  # an ACK batch's members' application ACKs
+            entry["batch_relays"] = [_relay_json(r) for r in reply.relays]
         replies.append(entry)
     return {"replies": replies, "relays": [_relay_json(r) for r in owed.relays]}
 
@@ -141,11 +145,13 @@ def owed_from(header: dict[str, Any]) -> Owed:
                 continue
             frames = tuple(
                 OwedFrame(base64.b64decode(str(f["frame"]), validate=True),
-                          None if f.get("id") is None else str(f["id"]))
+                          None if f.get("id") is None else str(f["id"]),
+                          tuple(str(i) for i in f.get("also") or ()))
                 for f in entry.get("frames") or ()
             )
             relay = _relay_from(entry["relay"]) if entry.get("relay") is not None else None
-            replies.append(OwedReply(frames=frames, relay=relay))
+            batch_relays = tuple(_relay_from(r) for r in entry.get("batch_relays") or ())
+            replies.append(OwedReply(frames=frames, relay=relay, relays=batch_relays))
         relays = tuple(_relay_from(r) for r in header.get("relays") or ())
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise ValueError(f"malformed owed ACKs: {exc!r}") from None

@@ -279,8 +279,7 @@ class ChannelWorker:
 
     async def _send(self, send: Send, head: HeadRow, policy: ChannelPolicy, session: Session, mlog: Any,
                     *, claim: bool = False) -> None:
-        """Commit inflight (``claim``: the claim too, in the same commit), write the frame,
-        and apply what the answer (or its absence) means."""
+        """Commit inflight (``claim``: with the claim), write the frame, apply what the answer means."""
         ctx = self.ctx
         ctx.sending.add(head.id)
         try:

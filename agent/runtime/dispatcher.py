@@ -231,7 +231,10 @@ class Dispatcher:
                 try:
                     if self.queue_id is None:
                         self.queue_id = await self.reader.call(SqliteStore.queue_id)
-                    epoch = await self.writer.call(SqliteStore.try_acquire_lease, self.me, d.lease_ttl)
+                    # A read first: a standby takes the write lock only when the lease is takeable.
+                    takeable = await self.reader.call(SqliteStore.lease_takeable, self.me)
+                    epoch = (await self.writer.call(SqliteStore.try_acquire_lease, self.me, d.lease_ttl)
+                             if takeable else None)
                 except StorageError as exc:
                     # A locked or failing database must not stop the daemon:
                     # intake goes on answering; dispatch tries again.

@@ -24,6 +24,10 @@ severities), which journald strips and stores as the entry's PRIORITY, so
 
 Never log message bodies or patient data; as a last line of defence, values of
 the keys ``body``, ``raw`` and ``payload`` are replaced before rendering.
+
+Over 400 lines on purpose: the sink, the journald prefix and the structlog
+configuration are one pipeline, and a line's whole way from a call to stderr
+(redacted, rendered, queued, written whole or dropped and counted) reads here.
 """
 
 from __future__ import annotations
@@ -350,7 +354,7 @@ def stderr_is_journal(environ: Mapping[str, str] | None = None, fd: int = 2) -> 
 
 
 def _redact_bodies(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
-    """Replace message-body keys: HL7 bodies carry patient data (SPEC 4, last bullet)."""
+    """Replace message-body keys: HL7 bodies carry patient data, which never goes to a log."""
     for key in FORBIDDEN_KEYS.intersection(event_dict):
         event_dict[key] = "<redacted>"
     return event_dict

@@ -9,7 +9,7 @@ Two kinds of metric live here:
 - event counters and a latency histogram, moved by the listener and the
   dispatcher as things happen (``message_committed`` ...);
 - queue gauges, read at scrape time from the ``queue stats --json`` shape
-  (SPEC 2) through a bound callable, so the numbers are the database's, shared
+  (docs/operations.md#--json) through a bound callable, so the numbers are the database's, shared
   by every process on the file, not one process's guess.
 
 The same two events also feed ``history`` (agent.runtime.history): messages in
@@ -24,10 +24,11 @@ from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.exposition import choose_encoder, generate_latest
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agent import __version__
+from agent.core.states import DEPTH
 from agent.runtime import logs
 from agent.runtime.history import MinuteHistory
 
@@ -41,7 +42,7 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 
 #: Dispatch latency buckets, 5 ms .. 60 s: a LAN server answers in milliseconds,
 #: an application-ACK round trip through an EHR can take tens of seconds, and
-#: response_timeout defaults to 30 s (SPEC 3).
+#: response_timeout defaults to 30 s (docs/configuration.md#server).
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.005,
     0.01,
@@ -57,10 +58,6 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     30.0,
     60.0,
 )
-
-#: Row states that stand in a channel's backlog (SPEC 6), exposed per channel.
-DEPTH_STATES: tuple[str, ...] = ("queued", "claimed", "inflight")
-
 
 class _QueueStatsCollector:
     """Turns one ``stats()`` call into gauges at scrape time.
@@ -163,7 +160,7 @@ def _families(data: Mapping[str, Any] | None = None) -> Iterator[GaugeMetricFami
         for state, count in sorted((data.get("states") or {}).items()):
             messages.add_metric([str(state)], _num(count))
         for channel, row in sorted((data.get("channels") or {}).items()):
-            for state in DEPTH_STATES:
+            for state in DEPTH:  # the backlog states (docs/queue.md#row-states)
                 depth.add_metric([str(channel), state], _num(row.get(state)))
             oldest.add_metric([str(channel)], _num(row.get("oldest_queued_age_s")))
             paused.add_metric([str(channel)], _num(bool(row.get("paused"))))
@@ -255,6 +252,18 @@ class AgentMetrics:
             registry=r,
         )
         self._audit_not_stored_children: dict[str, Counter] = {}
+        self._outbound_connected = Gauge(
+            "hl7_agent_outbound_connected",
+            "1 while an outbound channel (connect) holds its connection to the sender, 0 while it reconnects.",
+            ["channel"],
+            registry=r,
+        )
+        self._outbound_attempts = Counter(
+            "hl7_agent_outbound_connect_attempts",
+            "Connection attempts of outbound channels to their senders, by result (connected or failed).",
+            ["channel", "result"],
+            registry=r,
+        )
         self._info = Gauge(
             "hl7_agent_info",
             "Constant 1, labelled with this process's version and agent id.",
@@ -329,6 +338,15 @@ class AgentMetrics:
             child = self._audit_not_stored_children[channel] = self._audit_not_stored.labels(channel=channel)
         child.inc()
 
+    def outbound_attempt(self, channel: str, connected: bool) -> None:
+        """An outbound channel dialled its sender: it connected, or it failed (and will back off)."""
+        self._outbound_attempts.labels(channel=channel, result="connected" if connected else "error").inc()
+        if connected:
+            self._outbound_connected.labels(channel=channel).set(1)
+
+    def set_outbound_connected(self, channel: str, up: bool) -> None:
+        self._outbound_connected.labels(channel=channel).set(1 if up else 0)
+
     def set_upstream_connected(self, up: bool) -> None:
         self._upstream.set(1 if up else 0)
 
@@ -338,7 +356,7 @@ class AgentMetrics:
     # -- scrape-time queue gauges ----------------------------------------
 
     def bind_stats(self, stats: Callable[[], dict[str, Any]]) -> None:
-        """Read queue gauges from ``stats()`` (SPEC 2 shape) at every scrape.
+        """Read queue gauges from ``stats()`` (the ``queue stats --json`` shape) at every scrape.
 
         ``stats`` runs on the scraping thread (the admin server's), never on
         the event loop; it opens its own read-only connection.
@@ -346,10 +364,6 @@ class AgentMetrics:
         self._stats.bind(stats)
 
     # -- exposition -------------------------------------------------------
-
-    def exposition(self) -> bytes:
-        """The registry in the Prometheus text format."""
-        return generate_latest(self.registry)
 
     def exposition_for(self, accept: str | None) -> tuple[bytes, str]:
         """Body and Content-Type negotiated from a scraper's Accept header.

@@ -4,9 +4,10 @@ The protocol (sd_notify(3)) is one datagram of newline-separated ``KEY=VALUE``
 lines sent to the AF_UNIX socket named by ``$NOTIFY_SOCKET``; a leading ``@``
 names a socket in the abstract namespace. With ``Type=notify`` systemd treats
 the unit as started only on ``READY=1``, so the daemon sends it once its
-listeners and database are up (SPEC 7: the upgrade script waits for it).
+listeners and database are up (the upgrade script waits for it: docs/deploy.md#systemd).
 ``WatchdogSec=`` expects ``WATCHDOG=1`` more often than ``$WATCHDOG_USEC``;
-pinging from an event-loop task proves the loop itself is alive.
+the service pings from an event-loop task (``Service._watchdog``), so a
+wedged loop misses the ping and systemd restarts the unit.
 
 Notification is best effort: a lost datagram must never take the daemon down,
 so sends never raise; the first failure is logged once.
@@ -14,10 +15,9 @@ so sends never raise; the first failure is logged once.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import structlog
 
@@ -139,14 +139,6 @@ class Notifier:
             lines.append(f"STATUS={_clean_status(status)}")
         self._send(lines)
 
-    def reloading(self) -> None:
-        """RELOADING=1 (sd_notify(3)); send ready() again when the reload is done."""
-        self._send(["RELOADING=1"])
-
-    def extend_timeout(self, usec: int) -> None:
-        """EXTEND_TIMEOUT_USEC=: ask for more start/stop time (e.g. a long drain)."""
-        self._send([f"EXTEND_TIMEOUT_USEC={max(0, int(usec))}"])
-
     def close(self) -> None:
         """Release the datagram socket (idempotent)."""
         if self._sock is not None:
@@ -169,21 +161,3 @@ class Notifier:
                 self._failed_once = True
                 log.warning("sd_notify_failed", error=str(exc), errno=exc.errno)
 
-
-async def watchdog_pinger(
-    notifier: Notifier,
-    healthy: Callable[[], bool] | None = None,
-) -> None:
-    """Ping WATCHDOG=1 from the event loop at the notifier's interval, forever.
-
-    Run it as a task; returns at once when no watchdog is configured. When
-    ``healthy`` is given and returns False the ping is skipped, so systemd
-    restarts a daemon whose loop runs but whose work has wedged.
-    """
-    interval = notifier.watchdog_interval()
-    if interval is None or not notifier.enabled:
-        return
-    while True:
-        if healthy is None or healthy():
-            notifier.watchdog()
-        await asyncio.sleep(interval)

@@ -52,6 +52,8 @@ class RuntimeView:
     live_depth: Callable[[], int] | None = None
     #: The last hour per minute (in, out, depth): thread-safe itself.
     history: MinuteHistory | None = None
+    #: Outbound channels (connect): channel -> connect, state, since, last_error.
+    outbound: Callable[[], dict[str, dict[str, Any]]] | None = None
 
 
 def reason_of(exc: BaseException) -> str:
@@ -85,6 +87,7 @@ def collect_view_data(view: RuntimeView, now: float | None = None) -> dict[str, 
         "uptime_s": max(0.0, round(now - view.started_at, 3)),
         "listeners_up": guarded("listeners", view.listeners_up),
         "upstream": guarded("upstream", view.upstream_state),
+        "outbound": guarded("outbound", view.outbound) if view.outbound is not None else {},
         "lease_held": guarded("lease_held", view.lease_held),
         "stats": guarded("stats", view.stats),
         "recent_failures": guarded(
@@ -111,6 +114,7 @@ def collect_view_data(view: RuntimeView, now: float | None = None) -> dict[str, 
         lease_held=data["lease_held"],
         listeners_up=data["listeners_up"],
         now=now,
+        outbound=data["outbound"] if isinstance(data["outbound"], dict) else None,
     )
     data["history"] = view.history.series() if view.history is not None else None
     data["errors"] = errors

@@ -23,6 +23,10 @@ own could send a frame the database does not know is inflight.
 
 Frames are JSON built and parsed by ``agent.core.protocol``; message bodies are
 never logged.
+
+Just over 400 lines on purpose: connect, hello/welcome, the lease guard and
+reconnecting are one connection lifecycle (the session itself is
+agent.runtime.upstream_session).
 """
 
 from __future__ import annotations

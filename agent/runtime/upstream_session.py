@@ -72,11 +72,6 @@ class Session:
         return self._closed.is_set()
 
     @property
-    def closed_event(self) -> asyncio.Event:
-        """Set once the connection is gone (for ``asyncio.wait`` alongside other events)."""
-        return self._closed
-
-    @property
     def close_info(self) -> SessionClosed | None:
         """Why the session ended (code, reason), or None while it is open."""
         return self._core.close_info if self.closed else None

@@ -12,8 +12,11 @@ measured at the start of every commit batch (``Space.begin_batch``, not on a
 timer) and each intake of the batch is charged its estimated size against it,
 so a burst can overshoot the floor by at most one estimate's error.
 
-SQLite-specific throughout (PRAGMAs, the -wal file): another backend brings
-its own module with the same functions.
+The room and file functions are SQLite-specific (PRAGMAs, the -wal file);
+the retention sweep (:func:`purge_retention`, :func:`reclaim`) runs named
+queries and so works on every backend. A store on a database server has no
+limits here (``Space`` all zero: the server keeps its own disk), so intake
+measures nothing, and the service runs only the retention sweep for it.
 """
 
 from __future__ import annotations
@@ -101,7 +104,14 @@ def page_size(store: StoreBase) -> int:
 
 def intake_cost(store: StoreBase, nbytes: int) -> int:
     """Disk bytes one intake may take: its pages in the WAL and again in the file, plus the
-    index, counter and dedupe pages it touches (a deliberate over-estimate)."""
+    index, counter and dedupe pages it touches (a deliberate over-estimate).
+
+    0 when the store has no limits to charge it to (always so on a database
+    server, which keeps its own disk): then nothing is measured at all.
+    """
+    space = store.space
+    if not (space.max_db_bytes or space.min_free_disk_bytes):
+        return 0
     return 2 * nbytes + 12 * page_size(store)
 
 

@@ -4,6 +4,10 @@ A query's column names are the dataclass's field names (``build`` checks it
 by passing them as keywords), so a column added, dropped or reordered in the
 SQL cannot shift a value into the wrong field the way a positional tuple
 would. State columns come back as :class:`~agent.core.states.State`.
+
+Over 400 lines on purpose: one small frozen dataclass per query result and
+nothing else, all in one place so that a reader finds every row shape the
+store returns (and a second dialect must return) together.
 """
 
 from __future__ import annotations

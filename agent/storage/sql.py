@@ -3,8 +3,8 @@
 SQL is data (procrastinate's layout): ``queue/<dialect>/migrations/NNNN_*.sql``
 and ``queue/<dialect>/*.sql`` with ``-- name: x`` blocks, shipped as the package
 data ``agent._sql`` through the committed symlink ``agent/_sql -> ../queue``.
-Only ``sqlite/`` exists now; a second backend adds its folder with the same
-query names.
+Two dialects: ``sqlite/`` and ``postgresql/``, defining the same query names
+(tests/unit/test_dialect_queries.py checks it).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import re
 from importlib import resources
 from importlib.resources.abc import Traversable
 
-#: The dialect whose SQL this version runs.
+#: The dialects, by the name of their folder.
 SQLITE = "sqlite"
+POSTGRESQL = "postgresql"
 
 _NAME_LINE = re.compile(r"^--\s*name:\s*([a-z0-9_]+)\s*$", re.MULTILINE)
 _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")

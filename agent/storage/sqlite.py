@@ -12,16 +12,17 @@ dedupe, seq, the fenced transitions, stats — is the store's.
 
 from __future__ import annotations
 
-import enum
 import os
 import sqlite3
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agent.errors import DatabaseLocked, IncompatibleDatabase, StorageError
+from agent.storage import schema
+from agent.storage.dialect import Failure
 from agent.storage.sql import SQLITE, load_migrations, load_queries
 
 __all__ = [
@@ -68,16 +69,6 @@ class DatabaseOptions:
     busy_timeout: float = 5.0
 
 
-class Failure(enum.Enum):
-    """What a driver error means for the caller, whatever the backend."""
-
-    LOCKED = "locked"  # another writer held the lock past busy_timeout: try again
-    DISK_FULL = "disk_full"
-    READ_ONLY = "read_only"
-    CONNECTION_LOST = "connection_lost"  # I/O error, file gone or unreadable
-    OTHER = "other"
-
-
 #: SQLite primary result codes (https://sqlite.org/rescode.html); extended
 #: codes carry the primary one in their low byte.
 _FAILURES = {
@@ -100,6 +91,8 @@ class SqliteDialect:
     Error = sqlite3.Error
     #: Result rows readable by column name (agent/storage/rows.py builds dataclasses of them).
     row_factory = sqlite3.Row
+    #: Free pages, WAL checkpoints and PRAGMA optimize are ours to run (agent/storage/maintenance.py).
+    file_maintenance = True
 
     # -- transactions ----------------------------------------------------------
 
@@ -164,6 +157,23 @@ class SqliteDialect:
         """Make ``conn`` refuse every write, even one a bug would issue."""
         conn.execute("PRAGMA query_only = 1")
 
+    def in_transaction(self, conn: sqlite3.Connection) -> bool:
+        """False once SQLite rolled the whole transaction back by itself (an I/O error)."""
+        return conn.in_transaction
+
+    def changes(self, conn: sqlite3.Connection) -> int:
+        """Rows changed on ``conn`` since it opened: a batch that changed none leaves it alone."""
+        return conn.total_changes
+
+    # -- connections -----------------------------------------------------------
+
+    def connection_usable(self, conn: sqlite3.Connection) -> bool:
+        """A file connection is never lost for good: each statement reports its own error."""
+        return True
+
+    def reconnect(self, conn: sqlite3.Connection) -> sqlite3.Connection:
+        return conn
+
     # -- clock, values, errors -------------------------------------------------
 
     def lease_now(self, conn: sqlite3.Connection, clock: Callable[[], float]) -> float:
@@ -190,10 +200,24 @@ class SqliteDialect:
             return DatabaseLocked(f"database is locked: {exc}")
         return StorageError(f"{prefix}{exc}")
 
-    # -- connections -----------------------------------------------------------
+    def db_stats(self, conn: sqlite3.Connection, db_path: Path) -> dict[str, Any]:
+        """The ``db`` object of ``queue stats``: the file, its size and its WAL's."""
+        return {
+            "backend": SQLITE,
+            "path": str(db_path),
+            "size_bytes": _file_size(db_path),
+            "wal_bytes": _file_size(db_path.with_name(db_path.name + "-wal")),
+        }
 
     def connect(self, db_path: Path, options: DatabaseOptions, *, create: bool) -> sqlite3.Connection:
         return connect(db_path, options, create=create)
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _apply_pragmas(conn: sqlite3.Connection, options: DatabaseOptions) -> None:
@@ -266,10 +290,7 @@ def connect(db_path: Path, options: DatabaseOptions, *, create: bool) -> sqlite3
 
 def read_meta(conn: sqlite3.Connection, queries: dict[str, str] | None = None) -> dict[str, str]:
     """The ``meta`` table as a dict; empty when the file has none (not a queue database)."""
-    q = queries if queries is not None else load_queries()
-    if not conn.execute(q["meta_table_exists"]).fetchone():
-        return {}
-    return {str(k): str(v) for k, v in conn.execute(q["meta_all"])}
+    return schema.read_meta(conn, queries if queries is not None else load_queries())
 
 
 def migrate(conn: sqlite3.Connection, agent_id: str, now: float) -> int:
@@ -278,40 +299,16 @@ def migrate(conn: sqlite3.Connection, agent_id: str, now: float) -> int:
     Runs in one write transaction so two processes starting together (upgrade
     overlap) cannot both migrate. Returns the file's schema version.
     """
-    q = load_queries()
+
+    def run_script(sql: str) -> None:
+        for statement in _split_statements(sql):
+            conn.execute(statement)
+
     with SqliteDialect().write_transaction(conn):
-        meta = read_meta(conn, q)
-        version = int(meta.get("schema_version", "0"))
-        min_compatible = int(meta.get("min_compatible_version", "0"))
-        if min_compatible > SCHEMA_VERSION:
-            raise IncompatibleDatabase(
-                f"the queue database needs agent schema >= {min_compatible}, this agent has "
-                f"{SCHEMA_VERSION}: upgrade hl7-agent or use another data_dir"
-            )
-        owner = meta.get("agent_id")
-        if owner is not None and owner != agent_id:
-            raise IncompatibleDatabase(
-                f"the queue database belongs to agent.id {owner!r}, not {agent_id!r}: two agents "
-                "must never share a queue; fix agent.id or data_dir"
-            )
-        for number, sql in load_migrations():
-            if number > version:
-                for statement in _split_statements(sql):
-                    conn.execute(statement)
-                version = number
-        if version > int(meta.get("schema_version", "0")):
-            conn.execute(q["meta_upsert"], {"key": "schema_version", "value": str(version)})
-            conn.execute(q["meta_upsert"], {"key": "min_compatible_version",
-                                            "value": str(max(min_compatible, MIN_COMPATIBLE_VERSION))})
-        if owner is None:
-            conn.execute(q["meta_insert"], {"key": "agent_id", "value": agent_id})
-            conn.execute(q["meta_insert"], {"key": "created_at", "value": repr(now)})
-        if "queue_id" not in meta:
-            # The queue's identity for the server's lease-epoch fence: made once,
-            # never changed. A new meta key only, so an older agent keeps working
-            # on the file; a file made by one gets its id on first open by us.
-            conn.execute(q["meta_insert_if_absent"], {"key": "queue_id", "value": str(uuid.uuid4())})
-    return version
+        return schema.migrate_meta(
+            conn, load_queries(), load_migrations(), run_script, agent_id=agent_id, now=now,
+            schema_version=SCHEMA_VERSION, min_compatible_version=MIN_COMPATIBLE_VERSION,
+        )
 
 
 def _split_statements(sql: str) -> list[str]:

@@ -1,12 +1,15 @@
-"""The SQLite queue: the one place that runs the queue's SQL (docs/queue.md).
+"""The queue: the one place that runs the queue's SQL (docs/queue.md), on SQLite or PostgreSQL.
 
-``SqliteStore`` is assembled from parts split by concern, sharing one base
+``Store`` is assembled from parts split by concern, sharing one base
 (agent/storage/store_base.py): intake (store_intake.py), dispatch and the
 lease (store_dispatch.py), stats and the operator's queries
 (store_operator.py); maintenance (retention, room, the WAL) is
 agent/storage/maintenance.py, process liveness agent/storage/liveness.py.
 Every query is a named method; rows come back as frozen dataclasses
-(agent/storage/rows.py), never positional tuples.
+(agent/storage/rows.py), never positional tuples. The same class runs on
+both backends: what differs is its dialect (agent/storage/sqlite.py,
+agent/storage/postgres.py) and the dialect's SQL (``queue/<dialect>/``, the
+same query names).
 
 Methods run *inside* a transaction their caller opened — the writer thread
 groups many of them into one commit (each in its own SAVEPOINT), and
@@ -23,10 +26,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from agent.errors import DatabaseLocked, StorageError
+from agent.errors import ConfigError, DatabaseLocked, StorageError
 from agent.storage import sqlite as db
+from agent.storage.dialect import Dialect
 from agent.storage.liveness import LeaseHolder, holder_provably_dead
 from agent.storage.maintenance import FREE_PAGE_SLACK
 from agent.storage.rows import (
@@ -41,6 +45,7 @@ from agent.storage.rows import (
     OperatorAction,
     RecentFailure,
 )
+from agent.storage.sql import load_queries
 from agent.storage.store_intake import IntakeQueries
 from agent.storage.store_operator import OperatorQueries
 
@@ -57,23 +62,33 @@ __all__ = [
     "QueueConfig",
     "QueueStore",
     "SqliteStore",
+    "Store",
     "db_options",
     "holder_provably_dead",
     "make_store",
     "open_operator_store",
+    "open_stores",
 ]
 
+if TYPE_CHECKING:
+    from agent.storage.postgres import PgOptions
 
-class SqliteStore(IntakeQueries, OperatorQueries):
-    """All queue reads and writes, on one connection owned by one thread."""
+
+class Store(IntakeQueries, OperatorQueries):
+    """All queue reads and writes, on one connection owned by one thread, on either backend."""
+
+
+#: The name the rest of the agent has used since before the second backend:
+#: the same class (``await writer.call(SqliteStore.claim, …)`` runs on PostgreSQL too).
+SqliteStore = Store
 
 
 class QueueStore(Protocol):
     """The queue as the daemon uses it: what any backend must provide.
 
-    SQLite implements it now; a PostgreSQL backend for sites that outgrow one
-    host would implement the same methods with the same guarantees, and must
-    pass tests/integration/test_store_contract.py. Each method runs inside a
+    ``Store`` implements it on both backends, and passes
+    tests/integration/test_store_contract.py against SQLite and a real
+    PostgreSQL server alike. Each method runs inside a
     transaction its caller opened; dispatch methods are fenced on the lease
     epoch and raise LeaseLost when the fence fails.
     """
@@ -120,14 +135,15 @@ class QueueStore(Protocol):
     def take_operator_actions(self, stale_before: float) -> list[OperatorAction]: ...
     def probe_write(self) -> None: ...
     def stats(self, configured_channels: list[str] | None = None) -> dict[str, Any]: ...
+    def record_outbound(self, channel: str, state_json: str) -> None: ...
     # the status page
     def channel_activity(self, channels: Sequence[str]) -> list[ChannelActivity]: ...
     def live_depth(self) -> int: ...
     def server_acks(self, ids: Sequence[str]) -> dict[str, str]: ...
 
 
-def _implements_the_interface(store: SqliteStore) -> QueueStore:
-    """mypy checks here that SqliteStore satisfies QueueStore."""
+def _implements_the_interface(store: Store) -> QueueStore:
+    """mypy checks here that Store satisfies QueueStore."""
     return store
 
 
@@ -137,6 +153,12 @@ def _implements_the_interface(store: SqliteStore) -> QueueStore:
 class QueueConfig(Protocol):
     """The ``[queue]`` settings a store needs (agent.app.config's QueueSettings has them)."""
 
+    @property
+    def backend(self) -> str: ...
+    @property
+    def dsn(self) -> str | None: ...
+    @property
+    def password_file(self) -> Path | None: ...
     @property
     def synchronous(self) -> str: ...
     @property
@@ -151,39 +173,95 @@ class QueueConfig(Protocol):
     def min_free_disk_bytes(self) -> int: ...
 
 
+POSTGRESQL = "postgresql"
+
+
 def db_options(queue: QueueConfig) -> db.DatabaseOptions:
     return db.DatabaseOptions(synchronous=queue.synchronous, busy_timeout=queue.busy_timeout)
 
 
+def pg_options(queue: QueueConfig, agent_id: str) -> PgOptions:
+    """The PostgreSQL connection settings of ``[queue]``; ConfigError when psycopg is missing."""
+    try:
+        from agent.storage.postgres import PgOptions
+    except ImportError as exc:
+        raise ConfigError(
+            'config error: queue.backend = "postgresql" needs psycopg, which is not installed: '
+            "pip install 'hl7-agent[postgresql]'"
+        ) from exc
+    return PgOptions(dsn=queue.dsn or "", password_file=queue.password_file,
+                     busy_timeout=queue.busy_timeout, agent_id=agent_id)
+
+
 def make_store(conn: Any, db_path: Path, queue: QueueConfig,  # noqa: ANN401 - the dialect's connection
-               clock: Callable[[], float] = time.time) -> SqliteStore:
-    """A store on ``conn`` with the limits of ``[queue]``."""
-    return SqliteStore(
+               clock: Callable[[], float] = time.time, dialect: Dialect | None = None) -> Store:
+    """A store on ``conn`` with the limits of ``[queue]`` (a database server has none of ours)."""
+    on_server = dialect is not None and not dialect.file_maintenance
+    return Store(
         conn,
-        db.load_queries(),
+        db.load_queries() if dialect is None else load_queries(dialect.name),
         db_path=db_path,
         dedupe_window=queue.dedupe_window,
         retention=queue.retention,
-        max_db_bytes=queue.max_db_bytes,
-        min_free_disk_bytes=queue.min_free_disk_bytes,
+        max_db_bytes=0 if on_server else queue.max_db_bytes,
+        min_free_disk_bytes=0 if on_server else queue.min_free_disk_bytes,
         clock=clock,
+        dialect=dialect,
     )
+
+
+def open_stores(db_path: Path, queue: QueueConfig, agent_id: str, now: float) -> tuple[Store, Store]:
+    """The daemon's two stores, for the writer and the reader thread; the database migrated first.
+
+    SQLite: the file at ``db_path``, created when missing. PostgreSQL: the
+    database of ``queue.dsn`` (several processes may start at once: the
+    first migrates, under an advisory lock).
+    """
+    if queue.backend == POSTGRESQL:
+        from agent.storage import postgres
+
+        # No queue file, but the state directory still holds the hand-over sockets.
+        db_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        options = pg_options(queue, agent_id)
+        writer_dialect = postgres.PostgresDialect(options, role="writer")
+        conn = postgres.open_database(writer_dialect, agent_id, now)
+        reader_dialect = postgres.PostgresDialect(options, role="reader")
+        try:
+            reader_conn = reader_dialect.connect()
+        except BaseException:
+            conn.close()
+            raise
+        return (make_store(conn, db_path, queue, dialect=writer_dialect),
+                make_store(reader_conn, db_path, queue, dialect=reader_dialect))
+    sqlite_options = db_options(queue)
+    writer_conn = db.open_database(db_path, agent_id, sqlite_options, now)
+    try:
+        reader = db.connect(db_path, sqlite_options, create=False)
+    except BaseException:
+        writer_conn.close()
+        raise
+    return make_store(writer_conn, db_path, queue), make_store(reader, db_path, queue)
 
 
 @contextmanager
 def open_operator_store(db_path: Path, queue: QueueConfig, agent_id: str, *,
-                        write: bool) -> Iterator[SqliteStore]:
-    """The queue database at ``db_path`` for an operator command: never created.
+                        write: bool) -> Iterator[Store]:
+    """The queue database at ``db_path`` (or ``queue.dsn``) for an operator command: never created.
 
-    ``write=False`` sets the connection read-only (SQLite's ``query_only``) so
-    a read command cannot change the file even by a bug. ``write=True`` checks
-    the file belongs to ``agent_id`` first (two agents never share a queue).
-    A file of an older schema (its daemon not upgraded yet) is brought up to
-    this one by a write command — the same additive migration the daemon runs
-    at start, which the older daemon keeps working with — and refused by a
-    read command with a line saying so. Driver errors become StorageError;
+    ``write=False`` sets the connection read-only (SQLite's ``query_only``,
+    PostgreSQL's ``default_transaction_read_only``) so a read command cannot
+    change the database even by a bug. ``write=True`` checks the database
+    belongs to ``agent_id`` first (two agents never share a queue).
+    A database of an older schema (its daemon not upgraded yet) is brought up
+    to this one by a write command — the same additive migration the daemon
+    runs at start, which the older daemon keeps working with — and refused by
+    a read command with a line saying so. Driver errors become StorageError;
     ``DatabaseLocked`` when the lock was held beyond ``busy_timeout``.
     """
+    if queue.backend == POSTGRESQL:
+        with _open_pg_operator_store(db_path, queue, agent_id, write=write) as store:
+            yield store
+        return
     dialect = db.SqliteDialect()
     try:
         conn = db.open_existing(db_path, db_options(queue))
@@ -211,3 +289,31 @@ def open_operator_store(db_path: Path, queue: QueueConfig, agent_id: str, *,
         raise dialect.storage_error(exc, "queue database error: ") from exc
     finally:
         conn.close()
+
+
+@contextmanager
+def _open_pg_operator_store(db_path: Path, queue: QueueConfig, agent_id: str, *,
+                            write: bool) -> Iterator[Store]:
+    from agent.storage import postgres
+
+    dialect = postgres.PostgresDialect(pg_options(queue, agent_id), role="operator")
+    store = make_store(postgres.open_existing(dialect), db_path, queue, dialect=dialect)
+    try:
+        version = int(store.meta().get("schema_version", "0"))
+        if write:
+            postgres.check_owner(store.conn, dialect, agent_id)
+            if version < postgres.SCHEMA_VERSION:
+                postgres.migrate(dialect, store.conn, agent_id, time.time())
+        else:
+            if version < postgres.SCHEMA_VERSION:
+                raise StorageError(
+                    f"the queue database {dialect.display_dsn} has schema {version}, this hl7-agent "
+                    f"reads schema {postgres.SCHEMA_VERSION}: start this version's daemon once (it "
+                    "upgrades the database in place; an older daemon keeps working on it), then try again"
+                )
+            dialect.read_only(store.conn)
+        yield store
+    except dialect.Error as exc:
+        raise dialect.storage_error(exc, "queue database error: ") from exc
+    finally:
+        store.close()

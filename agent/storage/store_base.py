@@ -1,9 +1,11 @@
 """What every part of the store shares: the connection, the named queries, the dialect.
 
-``SqliteStore`` (agent/storage/store.py) is this base plus three parts split
-by concern — intake, dispatch and lease, operator and stats. Their methods
-run *inside* a transaction their caller opened: the writer thread groups
-many into one commit; :meth:`StoreBase.transaction` is the one helper for
+``Store`` (agent/storage/store.py) is this base plus three parts split by
+concern — intake, dispatch and lease, operator and stats. The same class
+runs on SQLite and on PostgreSQL: what differs is its dialect
+(agent/storage/dialect.py) and the dialect's SQL files. Its methods run
+*inside* a transaction their caller opened: the writer thread groups many
+into one commit; :meth:`StoreBase.transaction` is the one helper for
 single-shot callers (operator commands, tests).
 """
 
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agent.core.states import LIVE, PURGEABLE, REDRIVABLE, RETAINED, SETTLED, Event, State
+from agent.storage.dialect import Dialect, Failure
 from agent.storage.maintenance import Space
 from agent.storage.rows import ResultRow, build
 from agent.storage.sqlite import SqliteDialect
@@ -62,7 +65,7 @@ class StoreBase:
 
     def __init__(
         self,
-        conn: Any,  # noqa: ANN401 - the dialect's connection (sqlite3.Connection here)
+        conn: Any,  # noqa: ANN401 - the dialect's connection (sqlite3 or psycopg)
         queries: dict[str, str],
         *,
         db_path: Path,
@@ -71,7 +74,7 @@ class StoreBase:
         max_db_bytes: int = 0,
         min_free_disk_bytes: int = 0,
         clock: Callable[[], float] = time.time,
-        dialect: SqliteDialect | None = None,
+        dialect: Dialect | None = None,
     ) -> None:
         self.conn = conn
         self.q = queries
@@ -79,7 +82,7 @@ class StoreBase:
         self.dedupe_window = dedupe_window
         self.retention = retention
         self.clock = clock
-        self.dialect = dialect if dialect is not None else SqliteDialect()
+        self.dialect: Dialect = dialect if dialect is not None else SqliteDialect()
         #: Intake's room below the disk floor and the size cap (agent/storage/maintenance.py).
         self.space = Space(max_db_bytes=max_db_bytes, min_free_disk_bytes=min_free_disk_bytes)
 
@@ -94,11 +97,50 @@ class StoreBase:
         """
         dialect = self.dialect
         try:
-            with dialect.write_transaction(self.conn):
-                self.begin_batch()
-                yield self
+            self.begin_write()
         except dialect.Error as exc:
             raise dialect.storage_error(exc, "queue database error: ") from exc
+        try:
+            self.begin_batch()
+            yield self
+        except BaseException as exc:
+            dialect.rollback(self.conn)
+            if isinstance(exc, dialect.Error):
+                raise dialect.storage_error(exc, "queue database error: ") from exc
+            raise
+        try:
+            dialect.commit(self.conn)
+        except dialect.Error as exc:
+            dialect.rollback(self.conn)
+            raise dialect.storage_error(exc, "queue database error: ") from exc
+
+    def connection(self) -> Any:  # noqa: ANN401 - the dialect's connection
+        """The connection, opened again first when the dialect lost it (a database server restart).
+
+        Raises StorageError while the database cannot be reached (the dialect
+        spaces its attempts out, so a caller gets that answer at once).
+        """
+        if not self.dialect.connection_usable(self.conn):
+            self.conn = self.dialect.reconnect(self.conn)
+        return self.conn
+
+    def begin_write(self) -> Any:  # noqa: ANN401 - the dialect's connection
+        """Start a write transaction on a working connection; that connection.
+
+        A connection found lost only by this BEGIN (the server restarted since
+        the last transaction) is opened again and the BEGIN tried once more:
+        nothing had been done on it yet.
+        """
+        dialect = self.dialect
+        conn = self.connection()
+        try:
+            dialect.begin_write(conn)
+        except dialect.Error as exc:
+            if dialect.classify(exc) is not Failure.CONNECTION_LOST or dialect.connection_usable(conn):
+                raise
+            conn = self.connection()
+            dialect.begin_write(conn)
+        return conn
 
     def begin_batch(self) -> None:
         """A commit batch starts (after BEGIN): the next intake measures the disk afresh."""

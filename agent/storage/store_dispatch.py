@@ -32,15 +32,30 @@ class DispatchQueries(StoreBase):
             return None
         return Lease(holder=row.holder, epoch=int(row.epoch), expires_at=float(row.expires_at or 0))
 
+    @staticmethod
+    def _takeable(row: LeaseRow, me: LeaseHolder, now: float) -> bool:
+        """Free, expired, ours already, or held by a provably dead process."""
+        free = row.holder is None or row.expires_at is None or float(row.expires_at) <= now
+        return free or row.holder == me.holder or holder_provably_dead(
+            row.holder_pid, row.holder_boot, row.holder_pidns, row.holder_start
+        )
+
+    def lease_takeable(self, me: LeaseHolder) -> bool:
+        """Read-only: whether :meth:`try_acquire_lease` would take the lease now.
+
+        A standby polls this on the reader and opens a write transaction (the
+        write lock) only when the answer is yes, so waiting for the lease costs
+        the other processes' writes nothing.
+        """
+        row = self.lease_row()
+        return row is not None and self._takeable(row, me, self._lease_now())
+
     def try_acquire_lease(self, me: LeaseHolder, ttl: float) -> int | None:
         """Take the lease when free, expired, or its holder is provably dead; the new epoch."""
         now = self._lease_now()
         row = self.lease_row()
         assert row is not None
-        free = row.holder is None or row.expires_at is None or float(row.expires_at) <= now
-        if not free and row.holder != me.holder and not holder_provably_dead(
-            row.holder_pid, row.holder_boot, row.holder_pidns, row.holder_start
-        ):
+        if not self._takeable(row, me, now):
             return None
         taken = self._scalar(
             "lease_take",

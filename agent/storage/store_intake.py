@@ -213,14 +213,19 @@ class IntakeQueries(StoreBase):
                     "ack_mode": item.ack_mode,
                     "commit_ack": item.commit_ack,
                     "expires_at": expires_at,
+                    "now": now,
                 })
             out[entry.group][entry.index] = IntakeResult(
                 outcome="accepted", message_id=entry.message_id, seq=entry.seq, ack_mode=item.ack_mode)
         cur = self.conn.cursor()
         cur.executemany(self.q["insert_message"], rows)
         if keys:
-            # An expired key of the same name is overwritten (the upsert).
+            # An expired key of the same name is replaced; a live one never is.
             cur.executemany(self.q["dedupe_upsert"], keys)
+            if cur.rowcount != len(keys):
+                # A key's unique constraint met a live key the lookup did not
+                # see (another process's intake): never a second row for it.
+                raise StorageError("dedupe key taken by a concurrent intake; resend")
 
     def record_audit(self, item: AuditItem) -> str:
         """Event.AUDIT: insert a ``nacked`` audit row; it never counts as a dedupe prior.

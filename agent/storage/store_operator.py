@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from agent.core.states import ALL, DEPTH, Event
@@ -44,11 +43,8 @@ from agent.storage.store_dispatch import DispatchQueries
 _NO_SEQ = 2**63 - 1
 
 
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
+#: ``meta`` keys holding an outbound channel's connection state: ``outbound:<channel>``.
+OUTBOUND_META_PREFIX = "outbound:"
 
 
 class OperatorQueries(DispatchQueries):
@@ -92,11 +88,7 @@ class OperatorQueries(DispatchQueries):
             "states": by_state,
             "channels": dict(sorted(channels.items())),
             "lease": lease_obj,
-            "db": {
-                "path": str(self.db_path),
-                "size_bytes": _file_size(self.db_path),
-                "wal_bytes": _file_size(maintenance.wal_path(self.db_path)),
-            },
+            "db": self.dialect.db_stats(self.conn, self.db_path),
         }
 
     def recent_failures(self, limit: int) -> list[RecentFailure]:
@@ -155,6 +147,10 @@ class OperatorQueries(DispatchQueries):
     def meta(self) -> dict[str, str]:
         """The ``meta`` table: agent_id, schema_version, queue_id, …"""
         return {str(k): str(v) for k, v in self._exec("meta_all")}
+
+    def record_outbound(self, channel: str, state_json: str) -> None:
+        """An outbound channel's connection state (JSON), for ``queue stats`` in another process."""
+        self._exec("meta_upsert", key=f"{OUTBOUND_META_PREFIX}{channel}", value=state_json)
 
     def settled_by_channel(self) -> list[StateCount]:
         """Counts of terminal rows (settled and audit) per channel and state."""

@@ -1,6 +1,9 @@
 """One writer thread, group commit; one reader thread for polling and stats.
 
-SQLite is synchronous and allows one writer at a time. The event loop never
+The same on every backend (the store's dialect does what differs). SQLite is
+synchronous and allows one writer at a time; on PostgreSQL each write
+transaction takes one lock the same way, and group commit shares a commit
+(and its WAL flush) among several senders just as well. The event loop never
 waits on it: callers ``await writer.call(SqliteStore.method, …)``; the thread
 takes every job waiting (the batch grows with the load: whatever queued up
 while the previous commit was on the disk), runs them in one write
@@ -18,6 +21,9 @@ bookkeeping rides along as one statement per batch.
 
 Answers go back to the event loop in one ``call_soon_threadsafe`` per loop
 per batch, not one per job: a thread hop costs a wake-up of the loop.
+
+Just over 400 lines on purpose: the writer and its small reader twin share
+the job plumbing (binding, answering on the caller's loop) and are read together.
 """
 
 from __future__ import annotations
@@ -200,10 +206,6 @@ class Writer:
         """
         return await self._await(_bind(method, *args, **kwargs))
 
-    async def run(self, fn: Callable[[SqliteStore], T]) -> T:
-        """Run ``fn(store)`` in the next committed batch; prefer :meth:`call` (it names the method)."""
-        return await self._await(fn)
-
     async def _await(self, fn: Callable[[SqliteStore], T]) -> T:
         if self._closed:
             raise StorageError("the queue writer is closed")
@@ -263,30 +265,35 @@ class Writer:
 
     def _run_batch(self, batch: list[_AnyJob], deferred: list[_Job], outcomes: list[tuple[str, str]]) -> None:
         store = self.store
-        conn, dialect = store.conn, store.dialect
+        dialect = store.dialect
         try:
-            dialect.begin_write(conn)
+            # On a database server the connection may have been lost since the
+            # last batch: the store opens it again first (or fails at once).
+            conn = store.begin_write()
+        except StorageError as exc:
+            self._fail_all(batch, exc)
+            return
         except dialect.Error as exc:
             self._fail_all(batch, dialect.storage_error(exc))
             return
         # Intake measures free disk space once per batch, not on a timer: a
         # burst cannot outrun the check and eat the reserve dispatch needs.
         store.begin_batch()
-        changes = conn.total_changes
+        changes = dialect.changes(conn)
         try:
             if outcomes:
                 # Bookkeeping, validated up front; a failure costs only it.
-                self._in_savepoint("outcomes", lambda s: s.set_ack_outcomes(outcomes))
+                self._in_savepoint(conn, "outcomes", lambda s: s.set_ack_outcomes(outcomes))
             for later in deferred:
-                self._in_savepoint("deferred", later.fn)
+                self._in_savepoint(conn, "deferred", later.fn)
             intakes: list[_IntakeJob] = []
             for index, job in enumerate(batch):
                 if isinstance(job, _IntakeJob):
                     intakes.append(job)
                 else:
-                    job.ok, job.value = self._in_savepoint(f"job{index}", job.fn)
+                    job.ok, job.value = self._in_savepoint(conn, f"job{index}", job.fn)
             if intakes:
-                self._run_intakes(intakes)
+                self._run_intakes(conn, intakes)
         except _TransactionLost as lost:
             self._fail_all(batch, lost.error)
             return
@@ -297,14 +304,15 @@ class Writer:
             self._fail_all(batch, dialect.storage_error(exc))
             return
         self.batches += 1
-        if conn.total_changes != changes:
+        if dialect.changes(conn) != changes:
             self.last_write = time.monotonic()
         self._answer(batch)
 
-    def _in_savepoint(self, name: str, fn: Callable[[SqliteStore], Any]) -> tuple[bool, Any]:
+    def _in_savepoint(self, conn: Any, name: str,  # noqa: ANN401 - the dialect's connection
+                      fn: Callable[[SqliteStore], Any]) -> tuple[bool, Any]:
         """``fn(store)`` in a savepoint: (True, result), or (False, error) with its work undone."""
         store = self.store
-        conn, dialect = store.conn, store.dialect
+        dialect = store.dialect
         try:
             dialect.savepoint(conn, name)
             result = fn(store)
@@ -313,23 +321,24 @@ class Writer:
             dialect.rollback_to(conn, name)
             if isinstance(exc, dialect.Error):
                 exc = dialect.storage_error(exc)
-            if isinstance(exc, StorageError) and not conn.in_transaction:
-                # SQLite rolled the whole transaction back (e.g. disk I/O
-                # error): nothing of this batch is committed.
+            if isinstance(exc, StorageError) and not dialect.in_transaction(conn):
+                # The whole transaction is gone (SQLite rolled it back after
+                # a disk I/O error; the server connection was lost): nothing
+                # of this batch is committed.
                 raise _TransactionLost(exc) from exc
             return False, exc
         return True, result
 
-    def _run_intakes(self, jobs: list[_IntakeJob]) -> None:
+    def _run_intakes(self, conn: Any, jobs: list[_IntakeJob]) -> None:  # noqa: ANN401 - the dialect's connection
         """Every intake group of the batch at once; one by one only if that fails."""
         groups = [job.items for job in jobs]
-        ok, value = self._in_savepoint("intake", lambda s: s.intake_groups(groups))
+        ok, value = self._in_savepoint(conn, "intake", lambda s: s.intake_groups(groups))
         if ok:
             for job, results in zip(jobs, value, strict=True):
                 job.ok, job.value = True, results
             return
         for index, job in enumerate(jobs):
-            job.ok, job.value = self._in_savepoint(f"intake{index}", _one_group(job.items))
+            job.ok, job.value = self._in_savepoint(conn, f"intake{index}", _one_group(job.items))
 
     def _answer(self, batch: list[_AnyJob], error: AgentError | None = None) -> None:
         """Answer every job not answered yet (all with ``error`` when given), one hop per loop."""
@@ -385,6 +394,7 @@ class Reader:
         store = self.store
         with self._lock:
             try:
+                store.connection()  # a connection lost since the last read is opened again
                 return method(store, *args, **kwargs)
             except store.dialect.Error as exc:
                 raise store.dialect.storage_error(exc) from exc
@@ -395,11 +405,6 @@ class Reader:
         """Run one store read on the reader thread: ``await reader.call(SqliteStore.channel_head, name)``."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._blocking, _bind(method, *args, **kwargs))
-
-    async def run(self, fn: Callable[[SqliteStore], T]) -> T:
-        """Run ``fn(store)`` on the reader thread; prefer :meth:`call` (it names the method)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._blocking, fn)
 
     def _blocking(self, fn: Callable[[SqliteStore], T]) -> T:
         return self.call_blocking(fn)

@@ -12,6 +12,8 @@ WHERE channel = :channel AND sending_app = :sending_app
   AND expires_at > :now
 
 -- name: dedupe_upsert
+-- The primary key is the constraint: a key still live is never overwritten
+-- (0 rows: the store refuses the insert), an expired one is replaced.
 INSERT INTO dedupe_keys (channel, sending_app, sending_facility, control_id, body_sha256,
                          message_id, ack_mode, commit_ack, app_ack, expires_at)
 VALUES (:channel, :sending_app, :sending_facility, :control_id, :body_sha256,
@@ -20,6 +22,7 @@ ON CONFLICT (channel, sending_app, sending_facility, control_id) DO UPDATE SET
     body_sha256 = excluded.body_sha256, message_id = excluded.message_id,
     ack_mode = excluded.ack_mode, commit_ack = excluded.commit_ack,
     app_ack = NULL, expires_at = excluded.expires_at
+WHERE dedupe_keys.expires_at <= :now
 
 -- name: dedupe_set_app_ack
 -- By the key's primary key, read from the row: dedupe_keys has no index on

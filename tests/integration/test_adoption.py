@@ -25,7 +25,7 @@ from agent.runtime.adoption import (
     hand_over,
 )
 from agent.runtime.aio import cancel_and_wait
-from agent.runtime.sockets import read_line, send_all
+from agent.runtime.unixsock import read_line, send_all
 
 
 def run(coro):  # noqa: ANN001, ANN201 - a test runner

@@ -29,7 +29,7 @@ from agenttest import (
     wait_for,
 )
 
-from agent.runtime import sockets
+from agent.runtime import handover, sockets
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def test_daemon_serves_on_after_a_peer_made_its_listener_blocking(tmp_path: Path
     daemon = Daemon(tmp_path, toml_config(data, [{"name": "adt", "listen": f"127.0.0.1:{port}"}], admin_port=admin))
     daemon.start().wait_started()
     try:
-        handed = asyncio.run(sockets.receive_handover(data / "handover.sock"))
+        handed = asyncio.run(handover.receive_handover(data / "handover.sock"))
         assert handed is not None
         peer_copy = handed["adt"]
         os.set_blocking(peer_copy.fileno(), True)  # what systemd does with NonBlocking=no

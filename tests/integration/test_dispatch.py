@@ -330,7 +330,7 @@ class TestOutagesAndRetries:
                     assert [t.control_id for t in server.received if t.channel == "adt"] == ["P1"]
                     # Operator resumes: the held rows go, in order.
                     assert agent.writer is not None
-                    await agent.writer.run(lambda st: st.resume_channel("adt"))
+                    await agent.writer.call(SqliteStore.resume_channel, "adt")
                     agent.dispatcher.wake("adt")
                     await until(lambda: state_of(agent, "P3") == "processed", 10, "P3 processed")
                     assert [t.control_id for t in server.received if t.channel == "adt"] == ["P1", "P2", "P3"]

@@ -21,12 +21,11 @@ from pathlib import Path
 import pytest
 
 from agent.errors import HandoverError
+from agent.runtime.handover import HandoverServer, receive_handover
 from agent.runtime.sockets import (
-    HandoverServer,
     bind_listener,
     inherited_sockets,
     is_listening,
-    receive_handover,
     tcp_migrate_req_enabled,
 )
 
@@ -133,7 +132,8 @@ class TestHandover:
                 assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
                 got = await receive_handover(path)
                 assert got is not None
-                await asyncio.wait_for(server.handed_over.wait(), 5.0)
+                async with asyncio.timeout(5.0):
+                    await server.handed_over.wait()
                 await server.close()
                 assert not path.exists()
                 ports = {name: _port(s) for name, s in socks.items()}
@@ -147,7 +147,8 @@ class TestHandover:
                     assert not os.get_inheritable(s.fileno())
                     client = socket.create_connection(("127.0.0.1", ports[name]), timeout=5)
                     with client:
-                        conn, _ = await asyncio.wait_for(loop.sock_accept(s), 5.0)
+                        async with asyncio.timeout(5.0):
+                            conn, _ = await loop.sock_accept(s)
                         conn.close()
             finally:
                 for s in got.values():
@@ -208,7 +209,7 @@ class TestHandover:
             import asyncio, json, os, sys
             from pathlib import Path
             import structlog
-            from agent.runtime.sockets import receive_handover
+            from agent.runtime.handover import receive_handover
 
             structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
@@ -236,17 +237,21 @@ class TestHandover:
                 )
                 try:
                     assert proc.stdout is not None
-                    line = await asyncio.wait_for(proc.stdout.readline(), 20)
+                    async with asyncio.timeout(20):
+                        line = await proc.stdout.readline()
                     assert json.loads(line) == {"adt": port}
-                    await asyncio.wait_for(server.handed_over.wait(), 5)
+                    async with asyncio.timeout(5):
+                        await server.handed_over.wait()
                     await server.close()
                     socks["adt"].close()  # the giver lets go entirely
                     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                    data = await asyncio.wait_for(reader.read(), 10)
+                    async with asyncio.timeout(10):
+                        data = await reader.read()
                     writer.close()
                     await writer.wait_closed()
                     assert data == b"child:%d" % proc.pid
-                    assert await asyncio.wait_for(proc.wait(), 10) == 0
+                    async with asyncio.timeout(10):
+                        assert await proc.wait() == 0
                 finally:
                     if proc.returncode is None:
                         proc.kill()

@@ -1,9 +1,12 @@
 """The queue store contract (SPEC 6): what any backend must do — intake, claim, settle, lease, stats.
 
 Written against the ``harness`` fixture, which yields a store, a clock the
-test moves, and a way to run one transaction. SQLite in ``tmp_path`` today;
-a PostgreSQL backend is one more fixture parameter, and must pass unchanged.
-Lease expiry is simulated by moving the store's clock, never by waiting.
+test moves, and a way to run one transaction: SQLite in ``tmp_path``, and
+PostgreSQL on the real server the session starts (tests/conftest.py), each
+test on a database of its own; the same tests pass unchanged on both.
+Lease expiry is simulated by moving the store's clock, never by waiting: on
+PostgreSQL the lease runs on the server's clock, to which the harness adds
+how far the test moved its clock (the dialect's one test seam).
 """
 
 from __future__ import annotations
@@ -65,13 +68,31 @@ def _sqlite_harness(tmp_path: Path) -> Iterator[Harness]:
         conn.close()
 
 
-@pytest.fixture(params=["sqlite"])
+def _postgres_harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
+    from agent.storage import postgres
+    from agent.storage.sql import load_queries
+
+    database = request.getfixturevalue("pg_database")
+    clock = FakeClock()
+    start = clock.now
+    dialect = postgres.PostgresDialect(postgres.PgOptions(dsn=database.dsn, agent_id="contract-agent"),
+                                       role="writer", lease_skew=lambda: clock.now - start)
+    conn = postgres.open_database(dialect, "contract-agent", clock())
+    store = SqliteStore(conn, load_queries("postgresql"), db_path=tmp_path / "unused", clock=clock,
+                        dialect=dialect)
+    try:
+        yield Harness(store, clock)
+    finally:
+        store.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
 def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
     """A fresh, migrated store per test; parametrised by backend."""
     if request.param == "sqlite":
         yield from _sqlite_harness(tmp_path)
-    else:  # pragma: no cover - a new backend adds its branch here
-        raise NotImplementedError(request.param)
+    else:
+        yield from _postgres_harness(request, tmp_path)
 
 
 def item(control_id: str, channel: str = "adt", *, body: bytes | None = None, app: str = "LAB") -> IntakeItem:
@@ -390,6 +411,22 @@ class TestLease:
         me = holder("me")
         assert not holder_provably_dead(me.pid, me.boot_id, me.pidns, me.start_ticks)
         assert holder_provably_dead(dead_pid(), me.boot_id, me.pidns, 1)
+
+    def test_a_read_tells_a_standby_when_the_lease_is_takeable(self, harness: Harness) -> None:
+        """lease_takeable (a read, no transaction) answers as try_acquire_lease would: free, expired,
+        its own, or a provably dead holder's — not a live holder's before expiry."""
+        me, other = holder("standby"), holder("h1")
+        assert harness.store.lease_takeable(me)
+        epoch = acquire(harness, other)
+        assert not harness.store.lease_takeable(me)
+        assert harness.store.lease_takeable(other)
+        harness.clock.advance(TTL + 1)
+        assert harness.store.lease_takeable(me)
+        harness.tx(lambda s: s.renew_lease("h1", epoch, TTL))
+        assert not harness.store.lease_takeable(me)
+        harness.clock.advance(TTL + 1)
+        acquire(harness, holder("crashed", pid=dead_pid(), start_ticks=1))
+        assert harness.store.lease_takeable(me)
 
     def test_two_contenders_cannot_both_win_one_epoch(self, harness: Harness) -> None:
         """The takeover is a compare-and-set on the epoch: a stale contender fails."""

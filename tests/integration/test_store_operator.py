@@ -1,8 +1,9 @@
 """The store's part of the operator tools: set-aside, the server's reason, the audit trail, schema 2.
 
-Real SQLite files in ``tmp_path``; two connections on one file stand for two
-processes (the CLI and the daemon). docs/queue.md#operator-actions,
-docs/queue.md#schema-versions-and-upgrades.
+On both backends: a real SQLite file in ``tmp_path``, and a schema of its own
+on the session's real PostgreSQL server (tests/conftest.py); two connections
+on one queue stand for two processes (the CLI and the daemon, or two hosts).
+docs/queue.md#operator-actions, docs/queue.md#schema-versions-and-upgrades.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,6 +43,7 @@ class Queue:
     clock: Clock
     me: LeaseHolder
     epoch: int
+    pg: Any = None  # the test's PgDatabase on PostgreSQL; None on SQLite
 
     def intake(self, control_id: str, channel: str = "adt", *, ack_mode: str = "commit") -> str:
         body = (f"MSH|^~\\&|LAB|NORTH|EHR|CENTRAL|20260101120000||ADT^A01|{control_id}|P|2.5.1\r"
@@ -65,25 +68,60 @@ class Queue:
         return str(row.state)
 
     def other_store(self) -> SqliteStore:
-        """A second connection on the same file: what another process sees and does."""
+        """A second connection on the same queue: what another process (or host) sees and does."""
+        if self.pg is not None:
+            from agent.storage import postgres
+            from agent.storage.sql import load_queries
+
+            dialect = postgres.PostgresDialect(postgres.PgOptions(dsn=self.pg.dsn, agent_id=AGENT),
+                                               role="writer")
+            return SqliteStore(dialect.connect(), load_queries("postgresql"), db_path=self.path,
+                               clock=self.clock, dialect=dialect)
         conn = db.connect(self.path, db.DatabaseOptions(), create=False)
         return SqliteStore(conn, db.load_queries(), db_path=self.path, clock=self.clock)
 
+    def scalar(self, sql: str, *args: object) -> object:
+        """One value read straight from the database (``?`` placeholders), as an operator's shell would."""
+        if self.pg is not None:
+            (row,) = self.pg.rows(sql.replace("?", "%s"), args)
+            return row[0]
+        conn = sqlite3.connect(self.path)
+        try:
+            return conn.execute(sql, args).fetchone()[0]
+        finally:
+            conn.close()
 
-@pytest.fixture
-def queue(tmp_path: Path) -> Iterator[Queue]:
+
+def _open(tmp_path: Path, pg: Any) -> tuple[SqliteStore, Path]:
     clock = Clock()
     path = tmp_path / "queue.db"
-    conn = db.open_database(path, AGENT, db.DatabaseOptions(), clock())
-    store = SqliteStore(conn, db.load_queries(), db_path=path, clock=clock, retention=86400.0)
+    if pg is None:
+        conn = db.open_database(path, AGENT, db.DatabaseOptions(), clock())
+        return SqliteStore(conn, db.load_queries(), db_path=path, clock=clock, retention=86400.0), path
+    from agent.storage import postgres
+    from agent.storage.sql import load_queries
+
+    dialect = postgres.PostgresDialect(postgres.PgOptions(dsn=pg.dsn, agent_id=AGENT), role="writer")
+    conn = postgres.open_database(dialect, AGENT, clock())
+    return SqliteStore(conn, load_queries("postgresql"), db_path=path, clock=clock, retention=86400.0,
+                       dialect=dialect), path
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def queue(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Queue]:
+    """A fresh, migrated queue holding the lease; parametrised by backend."""
+    pg = request.getfixturevalue("pg_database") if request.param == "postgresql" else None
+    store, path = _open(tmp_path, pg)
+    clock = store.clock
+    assert isinstance(clock, Clock)
     me = LeaseHolder.for_this_process(AGENT)
     with store.transaction() as s:
         epoch = s.try_acquire_lease(me, 300.0)
     assert epoch is not None
     try:
-        yield Queue(path, store, clock, me, epoch)
+        yield Queue(path, store, clock, me, epoch, pg)
     finally:
-        conn.close()
+        store.close()
 
 
 ACK_422 = ("MSH|^~\\&|EHR|C|LAB|N|20260101||ACK^A01^ACK|S1|P|2.5.1\r"
@@ -219,12 +257,8 @@ class TestSetAside:
             s.set_aside([message_id], queue.clock(), error_code="set_aside", error_text="x",
                         app_acks={message_id: ae})
         assert queue.store.settled_app_acks([message_id]) == {message_id: ae}
-        conn = sqlite3.connect(queue.path)
-        try:
-            assert conn.execute("SELECT app_ack FROM dedupe_keys WHERE message_id = ?",
-                                (message_id,)).fetchone() == (ae,)
-        finally:
-            conn.close()
+        assert bytes(queue.scalar("SELECT app_ack FROM dedupe_keys WHERE message_id = ?",  # type: ignore[arg-type]
+                                  message_id)) == ae
 
 
 class TestAuditTrail:
@@ -291,11 +325,7 @@ class TestAuditTrail:
         self.record(queue.store)
         with queue.store.transaction() as s:
             s.take_operator_actions(queue.clock() - 60)
-        conn = sqlite3.connect(queue.path)
-        try:
-            assert conn.execute("SELECT count(*) FROM operator_actions").fetchone() == (1,)
-        finally:
-            conn.close()
+        assert queue.scalar("SELECT count(*) FROM operator_actions") == 1
 
 
 class TestSchemaTwo:

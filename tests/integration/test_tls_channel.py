@@ -46,7 +46,8 @@ async def send(*args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "agent", "send", "--timeout", "10", *args, str(SAMPLE),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate()
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 

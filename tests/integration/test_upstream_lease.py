@@ -129,8 +129,10 @@ class TestEpochRefused:
                 with capture_logs() as logs:
                     link = UpstreamLink(settings(server.port, epoch=3))
                     async with running(link) as task:
-                        await asyncio.wait_for(link.refused.wait(), 10)
-                        await asyncio.wait_for(asyncio.shield(task), 10)  # run() ends on its own
+                        async with asyncio.timeout(10):
+                            await link.refused.wait()
+                        async with asyncio.timeout(10):
+                            await asyncio.shield(task)  # run() ends on its own
                         with pytest.raises(SessionClosed) as excinfo:
                             await link.session()
                         assert excinfo.value.code == EPOCH_REFUSED
@@ -163,7 +165,8 @@ class TestEpochRefused:
                             with pytest.raises(SessionClosed) as excinfo:
                                 await waiting
                             assert excinfo.value.epoch_refused and not excinfo.value.too_big
-                            await asyncio.wait_for(old.refused.wait(), 10)
+                            async with asyncio.timeout(10):
+                                await old.refused.wait()
                             assert not new.refused.is_set()
                 assert len(events(logs, "upstream_epoch_refused")) == 1
                 # The old link never came back: one connection each.

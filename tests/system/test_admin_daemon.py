@@ -81,6 +81,33 @@ class TestAdminOfARunningDaemon:
             assert daemon.stop() == 0
         assert _health(daemon.config) == 1
 
+    def test_readiness_ignores_an_unreachable_upstream(self, tmp_path: Path) -> None:
+        """/readyz and /healthz stay 200 while the server cannot be reached: intake still keeps every message.
+
+        docs/operations.md tells operators that readiness never looks at the
+        upstream (the upgrade script waits on /readyz; an agent cut off from the
+        server must still count as ready). The upstream's state is in the metrics.
+        """
+        admin = free_port()
+        port = free_port()
+        closed = free_port()  # nothing listens there: every connect is refused
+        daemon = Daemon(tmp_path, toml_config(tmp_path / "data", [{"name": "adt", "listen": f"127.0.0.1:{port}"}],
+                                              admin_port=admin, server_url=f"ws://127.0.0.1:{closed}/agent"))
+        base = f"http://127.0.0.1:{admin}"
+        try:
+            daemon.start().wait_started()
+            wait_for(lambda: daemon.has_event("upstream_connect_failed"), 20, what="a refused upstream connect")
+            with MllpClient(port) as client:
+                assert ack_code(client.exchange(hl7_message("NOUP-1"))) == "AA"
+            assert http_get(base + "/readyz")[0] == 200
+            assert http_get(base + "/healthz")[0] == 200
+            assert _health(daemon.config) == 0
+            samples = _samples(http_get(base + "/metrics")[1].decode())
+            assert samples[("hl7_agent_upstream_connected", ())] == 0
+            assert samples[("hl7_agent_queue_depth", (("channel", "adt"), ("state", "queued")))] == 1
+        finally:
+            assert daemon.stop() == 0
+
     def test_health_exits_1_on_a_broken_config(self, tmp_path: Path) -> None:
         """`hl7-agent health` never exits 2, even when the configuration is invalid (Docker reserves 2)."""
         bad = tmp_path / "bad.toml"

@@ -71,6 +71,27 @@ class TestBenchSmoke:
         assert check["missing"] == 0 and check["resends"] == 0
         assert result["cpu_share"]["upstream"] >= 0 and len(result["baseline"]) == 2
 
+    def test_intake_runs_postgresql_beside_sqlite(self, tmp_path: Path) -> None:
+        """--backend sqlite postgresql: one daemon per backend at once, A B C C B A, every message AA."""
+        result = run_bench("intake.py", tmp_path, "--backend", "sqlite", "postgresql", "--connections", "4",
+                           timeout=180)
+        kinds = [r["kind"] for r in result["runs"]]
+        assert kinds == ["baseline", "agent-sqlite", "agent-postgresql", "agent-postgresql", "agent-sqlite",
+                         "baseline"]
+        for run in result["runs"]:
+            assert run["ack_codes"] == {"AA": run["sent"]} and run["errors"] == 0
+        (summary,) = result["summary"]
+        assert summary["ratio_sqlite"] > 0 and summary["ratio_postgresql"] > 0
+
+    def test_e2e_delivers_on_both_backends_in_one_run(self, tmp_path: Path) -> None:
+        """--backend sqlite postgresql: each backend's daemon delivers everything once, in order."""
+        result = run_bench("e2e.py", tmp_path, "--backend", "sqlite", "postgresql", timeout=240)
+        assert set(result["backends"]) == {"sqlite", "postgresql"}
+        for backend in result["backends"].values():
+            check = backend["check"]
+            assert check["ok"] and check["acked"] == 300 and check["delivered_distinct"] == 300
+            assert check["missing"] == 0 and check["resends"] == 0
+
     def test_e2e_max_in_flight_fails_clearly_without_the_key(self, tmp_path: Path) -> None:
         """--max-in-flight is passed to the config; an agent without the key is refused with its error."""
         code, _ = harness.check_config(harness.agent_config(

@@ -29,6 +29,14 @@ class TestExitCodes:
         """Docker reserves exit 2: `health` with an unknown flag exits 1."""
         assert agent("health", "--bogus").returncode == 1
 
+    def test_health_with_the_admin_endpoint_disabled_exits_1(self, tmp_path: Path) -> None:
+        """``[admin] listen = ""`` leaves nothing to probe: exit 1 with a line that says so, never 0 or 2."""
+        config = tmp_path / "agent.toml"
+        config.write_text(toml_config(tmp_path / "data", [{"name": "adt", "listen": f"127.0.0.1:{free_port()}"}]))
+        result = agent("health", "--config", str(config))
+        assert result.returncode == 1
+        assert "[admin] listen is disabled" in result.stderr
+
     @pytest.mark.parametrize("command", ["dev-server", "send"])
     def test_out_of_range_port_is_a_usage_error(self, command: str, tmp_path: Path) -> None:
         """--port 99999 is refused as usage (exit 2) with one line, never a traceback."""

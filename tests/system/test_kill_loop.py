@@ -1,6 +1,7 @@
 """The kill -9 loop: 20 crashes at random points under load, a flaky server, and the promise holds.
 
-The daemon runs as a subprocess on one data_dir; senders keep sending unique messages and
+The daemon runs as a subprocess on one data_dir (its queue in SQLite there, or in the
+session's PostgreSQL server: the test runs on both backends); senders keep sending unique messages and
 resend the same bytes on any failure until they hold an AA/CA, as interface engines do; the
 dev server answers mostly 200, sometimes 503, sometimes slowly, sometimes closes the session
 (after processing or before), and replays. Twenty times, at a random point, the daemon gets
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from agent.app.devserver import Answer, default_answer
@@ -143,11 +145,28 @@ def ro_rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
         conn.close()
 
 
-def lease_pid(db: Path) -> int | None:
+@dataclass
+class QueueReads:
+    """The test's reads of the queue: SQLite's file (read-only between kills, see ro_rows),
+    or a session of its own on the PostgreSQL database the daemons use."""
+
+    db: Path
+    pg: Any = None  # conftest.PgDatabase on the postgresql backend
+
+    def between_kills(self, sql: str) -> list[tuple[Any, ...]]:
+        return self.pg.rows(sql) if self.pg is not None else ro_rows(self.db, sql)
+
+    def rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        if self.pg is not None:
+            return self.pg.rows(sql.replace("?", "%s"), params)
+        return db_rows(self.db, sql, params)
+
+
+def lease_pid(reads: QueueReads) -> int | None:
     """PID of the live lease holder, or None."""
     try:
-        found = ro_rows(db, "SELECT holder_pid, expires_at FROM lease WHERE name = 'dispatch'")
-    except sqlite3.Error:  # not created yet, or busy during the first migration
+        found = reads.between_kills("SELECT holder_pid, expires_at FROM lease WHERE name = 'dispatch'")
+    except (sqlite3.Error, psycopg.Error):  # not created yet, or busy during the first migration
         return None
     if not found or found[0][0] is None or (found[0][1] or 0) <= time.time():
         return None
@@ -183,10 +202,14 @@ def senders() -> Iterator[list[ResendingSender]]:
 
 
 @pytest.mark.timeout(max(120, CYCLES * 6))
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_kill_nine_loop_keeps_the_promise(
-    tmp_path: Path, daemons: list[Daemon], senders: list[ResendingSender]
+    tmp_path: Path, daemons: list[Daemon], senders: list[ResendingSender], backend: str,
+    request: pytest.FixtureRequest,
 ) -> None:
     """20 x SIGKILL at random points under load: every AA/CA'd message is processed once, in order."""
+    pg = request.getfixturevalue("pg_database") if backend == "postgresql" else None
+    reads = QueueReads(tmp_path / "data" / "queue.db", pg)
     seed = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(1 << 31))
     replay_hint = f"kill loop seed {seed}: replay with {SEED_ENV}={seed}"
     print(replay_hint)
@@ -194,10 +217,10 @@ def test_kill_nine_loop_keeps_the_promise(
     flaky = FlakyUpstream(rng.randrange(1 << 31))
     server = DevServerThread(decide=flaky, replay=True).start()
     try:
-        run = _kill_loop(tmp_path, server, flaky, rng, daemons, senders, Run(seed))
-        _assert_the_promise(tmp_path / "data" / "queue.db", server, senders)
+        run = _kill_loop(tmp_path, server, flaky, rng, daemons, senders, Run(seed), reads)
+        _assert_the_promise(reads, server, senders)
         _assert_clean_logs(daemons)
-        _report(run, daemons, senders, server, flaky)
+        _report(run, daemons, senders, server, flaky, backend)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{replay_hint}") from exc
     finally:
@@ -209,13 +232,14 @@ def test_kill_nine_loop_keeps_the_promise(
 
 
 def _kill_loop(tmp_path: Path, server: DevServerThread, flaky: FlakyUpstream, rng: random.Random,
-               daemons: list[Daemon], senders: list[ResendingSender], run: Run) -> Run:
+               daemons: list[Daemon], senders: list[ResendingSender], run: Run, reads: QueueReads) -> Run:
     ports = {name: free_port() for name, *_ in CHANNELS}
     admin_port = free_port()
     text = toml_config(
         tmp_path / "data",
         [{"name": name, "listen": f"127.0.0.1:{ports[name]}", **settings} for name, settings, *_ in CHANNELS],
         server_url=server.url, admin_port=admin_port,
+        extra=reads.pg.queue_toml(tmp_path) if reads.pg is not None else "",
     )
     assert "response_timeout = 5\n" in text
     text = text.replace("response_timeout = 5\n", f"response_timeout = {RESPONSE_TIMEOUT}\n")
@@ -250,13 +274,13 @@ def _kill_loop(tmp_path: Path, server: DevServerThread, flaky: FlakyUpstream, rn
             # Killed just after it took the lease: recovery of claimed rows, session opening,
             # the first resend of the inflight heads.
             pid = current.pid
-            poll(lambda: lease_pid(db) == pid, 30, interval=0.002)  # noqa: B023
+            poll(lambda: lease_pid(reads) == pid, 30, interval=0.002)  # noqa: B023
             time.sleep(rng.uniform(0, 0.05))  # the random kill point
         else:
             assert poll(lambda: ready(admin_port), 30), f"cycle {n} not ready:\n{current.log_tail()}"
             cycle.ready_s = time.monotonic() - spawned
             pid = current.pid
-            assert poll(lambda: lease_pid(db) == pid, 30), f"cycle {n}: lease not taken:\n{current.log_tail()}"  # noqa: B023
+            assert poll(lambda: lease_pid(reads) == pid, 30), f"cycle {n}: lease not taken:\n{current.log_tail()}"  # noqa: B023
             cycle.dispatching_s = time.monotonic() - spawned
             # Under load: once a random number of further transmits reached the server (polled
             # every few ms, so the kill lands anywhere in a dispatch step), or after 3 s ...
@@ -274,7 +298,7 @@ def _kill_loop(tmp_path: Path, server: DevServerThread, flaky: FlakyUpstream, rn
         cycle.alive_s = time.monotonic() - spawned
         wal = db.with_name(db.name + "-wal")
         cycle.wal_bytes = wal.stat().st_size if wal.exists() else 0
-        _assert_accepted_are_stored(db, senders, f"after kill {n + 1}")
+        _assert_accepted_are_stored(reads, senders, f"after kill {n + 1}")
         cycle.transmits = len(server.server.received) - received_before
         run.cycles.append(cycle)
         current, spawned = spawn(n + 1)
@@ -292,11 +316,11 @@ def _kill_loop(tmp_path: Path, server: DevServerThread, flaky: FlakyUpstream, rn
     accepted = sum(len(s.accepted) for s in senders)
 
     def drained() -> bool:
-        live = db_rows(db, "SELECT count(*) FROM messages WHERE state IN ('queued', 'claimed', 'inflight')")
+        live = reads.rows("SELECT count(*) FROM messages WHERE state IN ('queued', 'claimed', 'inflight')")
         return live == [(0,)]
 
     if not poll(drained, 60, interval=0.1):
-        states = db_rows(db, "SELECT state, count(*) FROM messages GROUP BY state")
+        states = reads.rows("SELECT state, count(*) FROM messages GROUP BY state")
         raise AssertionError(f"not drained: {states} for {accepted} accepted\n{current.log_tail()}")
     run.drain_s = time.monotonic() - drain_from
     assert current.stop() == 0, current.log_tail()
@@ -304,14 +328,14 @@ def _kill_loop(tmp_path: Path, server: DevServerThread, flaky: FlakyUpstream, rn
     return run
 
 
-def _assert_accepted_are_stored(db: Path, senders: list[ResendingSender], when: str) -> None:
+def _assert_accepted_are_stored(reads: QueueReads, senders: list[ResendingSender], when: str) -> None:
     """Every AA/CA read so far came after its COMMIT: the row is there with the daemon dead.
 
     A sender records an accept only after reading it, so a list taken after the kill holds
     nothing the dead process did not answer.
     """
     accepted = {(s.sender.upper(), cid) for s in senders for cid in list(s.accepted)}
-    stored = set(ro_rows(db, "SELECT sending_app, control_id FROM messages WHERE state <> 'nacked'"))
+    stored = set(reads.between_kills("SELECT sending_app, control_id FROM messages WHERE state <> 'nacked'"))
     missing = sorted(accepted - stored)
     assert not missing, f"{when}: accepted but not stored: {missing[:20]}"
 
@@ -325,12 +349,12 @@ def _assert_clean_logs(daemons: list[Daemon]) -> None:
         assert "Traceback" not in text, f"{d.log_path.name}:\n{d.log_tail()}"
 
 
-def _assert_the_promise(db: Path, server: DevServerThread, senders: list[ResendingSender]) -> None:
+def _assert_the_promise(reads: QueueReads, server: DevServerThread, senders: list[ResendingSender]) -> None:
     """The promise of an accept ACK, checked against three independent records."""
-    rows = db_rows(db, "SELECT id, channel, sending_app, control_id, seq, state, error_code "
-                       "FROM messages WHERE state <> 'nacked'")
-    nacked = db_rows(db, "SELECT channel, control_id, error_code, error_text FROM messages "
-                         "WHERE state = 'nacked'")
+    rows = reads.rows("SELECT id, channel, sending_app, control_id, seq, state, error_code "
+                      "FROM messages WHERE state <> 'nacked'")
+    nacked = reads.rows("SELECT channel, control_id, error_code, error_text FROM messages "
+                        "WHERE state = 'nacked'")
     by_key: dict[tuple[str, str], list[tuple[Any, ...]]] = {}
     for r in rows:
         by_key.setdefault((r[1], r[3]), []).append(r)
@@ -372,7 +396,7 @@ def _assert_the_promise(db: Path, server: DevServerThread, senders: list[Resendi
     for name, *_ in CHANNELS:
         seqs = sorted(r[4] for r in rows if r[1] == name)
         assert seqs == list(range(1, len(seqs) + 1)), f"{name}: seq not gap-free"
-        last_seq = db_rows(db, "SELECT last_seq FROM channels WHERE channel = ?", (name,))
+        last_seq = reads.rows("SELECT last_seq FROM channels WHERE channel = ?", (name,))
         assert last_seq == [(len(seqs),)], f"{name}: counter {last_seq} for {len(seqs)} rows"
         first = [seq_of[i] for i in answered if meta[i].channel == name]
         if first != seqs:
@@ -405,7 +429,7 @@ def _assert_the_promise(db: Path, server: DevServerThread, senders: list[Resendi
 
 
 def _report(run: Run, daemons: list[Daemon], senders: list[ResendingSender], server: DevServerThread,
-            flaky: FlakyUpstream) -> None:
+            flaky: FlakyUpstream, backend: str = "sqlite") -> None:
     """Figures for docs/reliability.md (pytest -s shows them; -rP too)."""
     ready_times = [c.ready_s for c in run.cycles if c.ready_s is not None]
     lease_times = [c.dispatching_s for c in run.cycles if c.dispatching_s is not None]
@@ -419,7 +443,7 @@ def _report(run: Run, daemons: list[Daemon], senders: list[ResendingSender], ser
             return "n/a"
         return f"min {min(values):.2f} s, median {statistics.median(values):.2f} s, max {max(values):.2f} s"
 
-    print(f"seed {run.seed}; {len(run.cycles)} kill -9 cycles "
+    print(f"backend {backend}; seed {run.seed}; {len(run.cycles)} kill -9 cycles "
           f"({dict(Counter(c.mode for c in run.cycles))}, "
           f"{sum(c.exchange_hit for c in run.cycles)} with a sender waiting for its ACK), "
           f"total {run.total_s:.1f} s, {run.total_s / len(run.cycles):.2f} s per cycle, drain {run.drain_s:.1f} s")
@@ -433,5 +457,6 @@ def _report(run: Run, daemons: list[Daemon], senders: list[ResendingSender], ser
           f"final start-up {run.final_ready_s:.2f} s")
     print(f"per killed process: alive {spread([c.alive_s for c in run.cycles])}; transmits received "
           f"median {statistics.median(c.transmits for c in run.cycles):.0f}, max {max(c.transmits for c in run.cycles)}")
-    print(f"a WAL file left for the restart by {sum(1 for c in run.cycles if c.wal_bytes)} of "
-          f"{len(run.cycles)} kills")
+    if backend == "sqlite":
+        print(f"a WAL file left for the restart by {sum(1 for c in run.cycles if c.wal_bytes)} of "
+              f"{len(run.cycles)} kills")

@@ -103,12 +103,17 @@ class Sender(threading.Thread):
             client.close()
 
 
-def test_overlap_refuses_nothing_and_delivers_everything_once_in_order(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_overlap_refuses_nothing_and_delivers_everything_once_in_order(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest
+) -> None:
     """Start a second daemon on the same config and database, SIGTERM the first under load: nothing is refused, lost, duplicated or reordered, and no connection even drops."""
+    pg = request.getfixturevalue("pg_database") if backend == "postgresql" else None
     dev = DevServerThread().start()
     ports = {"adt": free_port(), "lab": free_port()}
     channels = [{"name": name, "listen": f"127.0.0.1:{port}"} for name, port in ports.items()]
-    config = toml_config(tmp_path / "data", channels, server_url=dev.url, admin_port=free_port())
+    config = toml_config(tmp_path / "data", channels, server_url=dev.url, admin_port=free_port(),
+                         extra=pg.queue_toml(tmp_path) if pg is not None else "")
     old = Daemon(tmp_path, config, name="old")
     new = Daemon(tmp_path, config, name="new",
                  env={"HL7_AGENT_ADMIN__LISTEN": f"127.0.0.1:{free_port()}"})
@@ -185,8 +190,8 @@ def test_overlap_refuses_nothing_and_delivers_everything_once_in_order(tmp_path:
         assert order == sorted(order), "a sender's messages reached the server out of order"
 
     # Nothing accepted is missing from the database, and nothing is left undelivered.
-    rows = dict(db_rows(tmp_path / "data" / "queue.db",
-                        "SELECT state, count(*) FROM messages WHERE seq IS NOT NULL GROUP BY state"))
+    counted = "SELECT state, count(*) FROM messages WHERE seq IS NOT NULL GROUP BY state"
+    rows = dict(pg.rows(counted) if pg is not None else db_rows(tmp_path / "data" / "queue.db", counted))
     assert rows == {"processed": len(acked)}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.app.client import decode_ack, split_messages
+from agent.app.client import ack_accepted, decode_ack, split_messages
 from agent.core import mllp
 
 
@@ -22,6 +22,19 @@ class TestSplitMessages:
         assert split_messages(b"\xef\xbb\xbfMSH|^~\\&|A|B|C|D|||ADT^A01|1|P|2.5\r") == [
             b"MSH|^~\\&|A|B|C|D|||ADT^A01|1|P|2.5\r"
         ]
+
+    def test_a_file_starting_with_fhs_or_bhs_is_one_batch_frame(self) -> None:
+        """An HL7 batch file goes out whole, as one frame, line endings normalised."""
+        data = b"\nBHS|^~\\&|A\nMSH|^~\\&|A|B|C|D|||ADT^A01|1|P|2.5\r\nPID|1\nMSH|^~\\&|A|B|C|D|||ADT^A01|2|P|2.5\nBTS|2\n"
+        assert split_messages(data) == [
+            b"BHS|^~\\&|A\rMSH|^~\\&|A|B|C|D|||ADT^A01|1|P|2.5\rPID|1\rMSH|^~\\&|A|B|C|D|||ADT^A01|2|P|2.5\rBTS|2\r"]
+
+    def test_an_ack_batch_is_accepted_only_when_every_ack_in_it_is(self) -> None:
+        aa = b"MSH|^~\\&|A|B|C|D|||ACK|1|P|2.5\rMSA|AA|1\r"
+        ae = aa.replace(b"MSA|AA", b"MSA|AE")
+        assert ack_accepted(b"BHS|^~\\&\r" + aa + aa + b"BTS|2\r")
+        assert not ack_accepted(b"BHS|^~\\&\r" + aa + ae + b"BTS|2\r")
+        assert ack_accepted(aa) and not ack_accepted(ae)
 
     def test_framed_file_with_a_broken_frame_says_so(self, capsys: pytest.CaptureFixture[str]) -> None:
         """An MLLP-framed file whose frame ends 0x1C 0x0A is reported, not silently skipped."""

@@ -566,6 +566,36 @@ class TestChannels:
         )
         assert "channels[1].listen" in load_error(write(tmp_path, text))
 
+    def test_outbound_channel_loads(self, tmp_path: Path) -> None:
+        """connect instead of listen: an outbound channel, with its TLS files made absolute."""
+        text = ('[[channels]]\nname = "ref"\nconnect = "reflab.example.org:6661"\ntls_server_ca = "ca.pem"\n'
+                'tls_cert = "me.pem"\ntls_key = "me.key"\nreconnect_cap = "10s"\n')
+        for name in ("me.pem", "me.key"):
+            (tmp_path / name).write_text("-", encoding="ascii")
+        assert "channels[0].tls_server_ca: file" in load_error(write(tmp_path, text)), "a missing CA file is refused"
+        (tmp_path / "ca.pem").write_text("-", encoding="ascii")
+        (channel,) = load_settings(str(write(tmp_path, text)), {}).channels
+        assert channel.outbound and channel.listen is None and (channel.host, channel.port) == ("reflab.example.org", 6661)
+        assert channel.tls_server_ca == tmp_path / "ca.pem" and channel.reconnect_cap == 10.0
+
+    @pytest.mark.parametrize(("keys", "says"), [
+        ('listen = "0.0.0.0:2575"\nconnect = "a.example:1"', "set either listen"),
+        ("", "set listen (senders connect to us) or connect"),
+        ('connect = "a.example"', "connect 'a.example': missing port"),
+        ('connect = "a.example:0"', "port must be 1-65535"),
+        ('connect = "a.example:1"\nallowed_sources = ["10.0.0.0/8"]', "allowed_sources is for a listening channel"),
+        ('connect = "a.example:1"\ntls_client_ca = "ca.pem"', "tls_client_ca is for a listening channel"),
+        ('connect = "a.example:1"\nmax_connections = 4', "max_connections is for a listening channel"),
+        ('connect = "a.example:1"\ntls_cert = "c.pem"\ntls_key = "c.key"', "set tls_server_ca too"),
+        ('connect = "a.example:1"\ntls_server_name = "a"', "tls_server_name needs tls_server_ca"),
+        ('listen = "0.0.0.0:2575"\ntls_server_ca = "ca.pem"', "tls_server_ca is for an outbound channel"),
+        ('connect = "a.example:1"\nreconnect_initial = "1m"', "reconnect_initial (1m) must be <= reconnect_cap (30s)"),
+    ])
+    def test_outbound_keys_checked(self, tmp_path: Path, keys: str, says: str) -> None:
+        """A listener's security keys on an outbound channel (or the reverse) are refused, never ignored."""
+        message = load_error(write(tmp_path, f'[[channels]]\nname = "a"\n{keys}\n'))
+        assert says in message, message
+
     def test_channel_and_admin_clash(self) -> None:
         """A channel may not listen on the admin address."""
         env = {"HL7_AGENT_CHANNELS": '[{"name": "a", "listen": "127.0.0.1:9575"}]'}

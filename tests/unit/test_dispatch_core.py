@@ -5,7 +5,7 @@ row, a channel policy and the session's facts in, one action out. The
 scenarios that need a whole run (300 messages on three channels, an outage,
 retries) drive the functions through ``Queue`` below: the store's
 transitions over rows held in a dict, each move checked against the state
-table (``agent.core.states.check_event``). It stands in for SQLite only to
+table (``check_event`` below, over ``agent.core.states.Event``). It stands in for SQLite only to
 show what the *policy* does; the store's own guarded SQL is tested against
 a real database in tests/integration/test_store_contract.py.
 """
@@ -50,7 +50,7 @@ from agent.core.dispatch import (
 )
 from agent.core.protocol import EPOCH_REFUSED, MESSAGE_TOO_BIG, Transmit, TransmitResponse
 from agent.core.session import SessionClosed, SessionCore, TransmitInProgress, TransmitTooLarge
-from agent.core.states import Event, State, check_event
+from agent.core.states import Event, State
 from agent.storage.rows import HeadRow
 
 NOW = 1_000_000.0
@@ -284,7 +284,7 @@ class TestApplicationAck:
         action = on_response(head, 1, answer(head, 1, 200, ack="MSA|AA|M1"), policy(), NOW)
         assert isinstance(action, Settle) and action.state == State.PROCESSED and action.app_ack is None
         assert [n.event for n in action.notes] == ["application_ack_unbuildable"]
-        assert set(action.notes[0].as_dict()) == {"id", "channel", "error_type"}
+        assert set(dict(action.notes[0].fields)) == {"id", "channel", "error_type"}
 
     @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
     @given(st.binary(max_size=200), st.sampled_from(["utf-8", "latin-1", "idna", "rot13", "utf-16", "punycode", "x"]),
@@ -398,7 +398,7 @@ class TestSessionCore:
         core.expect(t, core.prepare(t), "waiter-2")
         stale = core.receive(TransmitResponse("id-1", 1, 200).to_json())
         assert stale.waiter is None and event_of(stale.note) == "upstream_response_stale"
-        assert stale.note is not None and stale.note.as_dict()["waiting_attempt"] == 2
+        assert stale.note is not None and dict(stale.note.fields)["waiting_attempt"] == 2
         got = core.receive(TransmitResponse("id-1", 2, 200).to_json())
         assert (got.waiter, got.response) == ("waiter-2", TransmitResponse("id-1", 2, 200))
         again = core.receive(TransmitResponse("id-1", 2, 200).to_json())
@@ -455,6 +455,11 @@ class TestSessionCore:
 
 
 # -- whole scenarios through the policy --------------------------------------------------
+
+
+def check_event(event: Event, old: State, new: State) -> None:
+    """The state table as a predicate: ``event`` may move a row from ``old`` to ``new``."""
+    assert old in event.sources and new in event.targets, f"{event.name.lower()}: a {old} row cannot become {new}"
 
 
 class Queue:

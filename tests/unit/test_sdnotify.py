@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import uuid
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from agent.runtime.sdnotify import Notifier, watchdog_pinger
+from agent.runtime.sdnotify import Notifier
 
 
 @pytest.fixture
@@ -88,7 +87,7 @@ class TestDatagrams:
         n.close()
 
     def test_status_watchdog_stopping(self, receiver: tuple[socket.socket, str]) -> None:
-        """status(), watchdog(), stopping(), reloading() and extend_timeout() each send their key."""
+        """status(), watchdog() and stopping() each send their key."""
         sock, path = receiver
         n = Notifier.from_environ({"NOTIFY_SOCKET": path})
         n.status("draining")
@@ -97,10 +96,6 @@ class TestDatagrams:
         assert _lines(sock) == ["WATCHDOG=1"]
         n.stopping()
         assert _lines(sock) == ["STOPPING=1"]
-        n.reloading()
-        assert _lines(sock) == ["RELOADING=1"]
-        n.extend_timeout(5_000_000)
-        assert _lines(sock) == ["EXTEND_TIMEOUT_USEC=5000000"]
         n.close()
 
     def test_abstract_namespace_socket(self) -> None:
@@ -127,57 +122,3 @@ class TestDatagrams:
         assert [e["event"] for e in logs] == ["sd_notify_failed"]
         n.close()
 
-
-class TestWatchdogPinger:
-    def test_returns_at_once_without_watchdog(self) -> None:
-        """Without WATCHDOG_USEC the pinger task ends immediately."""
-        asyncio.run(asyncio.wait_for(watchdog_pinger(Notifier.from_environ({})), 5.0))
-
-    def test_pings_from_the_event_loop(self, receiver: tuple[socket.socket, str]) -> None:
-        """The pinger sends WATCHDOG=1 repeatedly while the loop runs."""
-        sock, path = receiver
-        sock.setblocking(False)
-        n = Notifier.from_environ({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "20000"})
-
-        async def scenario() -> int:
-            loop = asyncio.get_running_loop()
-            task = asyncio.create_task(watchdog_pinger(n))
-            got = 0
-            async with asyncio.timeout(5.0):
-                while got < 3:
-                    data = await loop.sock_recv(sock, 4096)
-                    assert data == b"WATCHDOG=1\n"
-                    got += 1
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            return got
-
-        assert asyncio.run(scenario()) == 3
-        n.close()
-
-    def test_unhealthy_skips_pings(self, receiver: tuple[socket.socket, str]) -> None:
-        """While healthy() is False no WATCHDOG=1 is sent, so systemd would restart us."""
-        sock, path = receiver
-        sock.setblocking(False)
-        n = Notifier.from_environ({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "20000"})
-        calls = 0
-
-        def healthy() -> bool:
-            nonlocal calls
-            calls += 1
-            return calls > 3
-
-        async def scenario() -> None:
-            loop = asyncio.get_running_loop()
-            task = asyncio.create_task(watchdog_pinger(n, healthy))
-            async with asyncio.timeout(5.0):
-                data = await loop.sock_recv(sock, 4096)
-            assert data == b"WATCHDOG=1\n"
-            assert calls == 4
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-        asyncio.run(scenario())
-        n.close()

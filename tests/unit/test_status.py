@@ -202,3 +202,28 @@ class TestDegradedFacts:
                         upstream={"configured": True, "connected": True, "since": "2025-06-15T15:06:00Z"},
                         lease_held=True, listeners_up=True, now=NOW)
         assert result["upstream"]["for_s"] == 40 and result["summary"] == "no channels"
+
+
+class TestOutboundChannels:
+    """An outbound channel (connect) adds its connection to the sender to the channel's facts."""
+
+    def assess_with(self, state: str, error: str | None = None) -> dict[str, Any]:
+        stats = {"channels": {"ref": counts()}, "lease": LEASE_HERE}
+        upstream = {"configured": True, "connected": True, "url": "ws://x/agent", "replay": True,
+                    "last_error": None, "since": NOW - 60}
+        outbound = {"ref": {"connect": "lis.example:6661", "state": state, "since": NOW - 125,
+                            "last_error": error, "tls": False}}
+        return assess(stats=stats, activity=[], upstream=upstream, lease_held=True, listeners_up=True, now=NOW,
+                      outbound=outbound)
+
+    def test_connected_is_a_fact_not_a_problem(self) -> None:
+        result = self.assess_with("connected")
+        c = channel(result)
+        assert c["detail"][0] == "connected to the sender at lis.example:6661 for 2m 5s"
+        assert result["level"] == Level.OK and c["outbound"]["state"] == "connected"
+
+    def test_reconnecting_warns_and_names_the_error(self) -> None:
+        result = self.assess_with("reconnecting", "connection refused")
+        assert result["level"] == Level.WARN
+        assert result["summary"] == ("ref reconnecting to the sender at lis.example:6661 for 2m 5s "
+                                     "(last error: connection refused)")

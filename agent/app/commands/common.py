@@ -76,8 +76,9 @@ def open_store(settings: Settings, *, write: bool) -> Iterator[SqliteStore]:
         with open_operator_store(settings.db_path, settings.queue, settings.agent.id, write=write) as store:
             yield store
     except DatabaseLocked as exc:
+        where = settings.queue.dsn_masked if settings.queue.backend == "postgresql" else settings.db_path
         raise DatabaseLocked(
-            f"the queue database {settings.db_path} stayed locked by another process beyond "
+            f"the queue database {where} stayed locked by another process beyond "
             f"busy_timeout ({settings.queue.busy_timeout:g}s); nothing was changed, try again"
         ) from exc
 

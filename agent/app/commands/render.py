@@ -9,7 +9,9 @@ value (NULL or empty) is always shown as ``-``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import sys
 import unicodedata
 from collections.abc import Iterable
@@ -29,6 +31,7 @@ from agent.app.commands.tables import (
 from agent.core.states import ALL, DEPTH, PURGEABLE, State
 from agent.core.timefmt import compact_duration, human_bytes, rfc3339
 from agent.storage.rows import ChannelFlags, LeaseRow, ListedRow, StateCount, StoredRow
+from agent.storage.store_operator import OUTBOUND_META_PREFIX
 
 __all__ = [
     "DEFAULT_WIDTH",
@@ -137,7 +140,8 @@ def stats_document(
     """The ``queue stats --json`` object: the store's stats with keys added (never removed).
 
     Added: ``generated_at``; per channel the terminal counts, ``configured``,
-    ``paused_at``/``paused_reason``; ``db.agent_id``/``db.schema_version``.
+    ``paused_at``/``paused_reason``, for an outbound channel ``outbound``;
+    ``db.agent_id``/``db.schema_version``.
     """
     channels: dict[str, dict[str, Any]] = data["channels"]
     blank: dict[str, Any] = {**dict.fromkeys(DEPTH, 0), "oldest_queued_age_s": None, "paused": False}
@@ -152,6 +156,12 @@ def stats_document(
         entry["configured"] = name in configured
         entry["paused_at"] = ts(flag.paused_at) if flag and flag.paused else None
         entry["paused_reason"] = flag.paused_reason if flag and flag.paused else None
+    for name, entry in channels.items():
+        # An outbound channel's connection, as the daemon last recorded it.
+        raw = meta.get(f"{OUTBOUND_META_PREFIX}{name}")
+        if raw is not None:
+            with contextlib.suppress(ValueError):
+                entry["outbound"] = json.loads(raw)
     data["channels"] = dict(sorted(channels.items()))
     data["db"]["agent_id"] = meta.get("agent_id")
     data["db"]["schema_version"] = int(meta["schema_version"]) if "schema_version" in meta else None
@@ -162,8 +172,10 @@ def stats_document(
 def render_stats(data: dict[str, Any], lease_row: LeaseRow | None, now: float) -> str:
     out: list[str] = []
     d = data["db"]
+    # SQLite: the file and its WAL; PostgreSQL: the masked dsn (the server keeps its own WAL).
+    wal = f", WAL {human_bytes(d['wal_bytes'])}" if d.get("wal_bytes") is not None else ""
     out.append(
-        f"database  {d['path']}  ({human_bytes(d['size_bytes'])}, WAL {human_bytes(d['wal_bytes'])})"
+        f"database  {d.get('path') or d.get('dsn')}  ({human_bytes(d['size_bytes'])}{wal})"
         f"  agent.id {d.get('agent_id')}  schema {d.get('schema_version')}"
     )
     lease = data["lease"]
@@ -208,6 +220,12 @@ def render_stats(data: dict[str, Any], lease_row: LeaseRow | None, now: float) -
         out.append(table(headers, rows, right=range(1, 7)))
     else:
         out.append("no channels\n")
+    for name, c in data["channels"].items():
+        ob = c.get("outbound")
+        if isinstance(ob, dict):
+            error = f", last error: {ob.get('last_error')}" if ob.get("state") != "connected" and ob.get("last_error") else ""
+            out.append(f"outbound  {name}  {ob.get('state')} to {ob.get('connect')} since {ob.get('since')}"
+                       f"{error}  (pid {ob.get('pid')})")
     return "\n".join(out)
 
 

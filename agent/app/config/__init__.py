@@ -1,4 +1,4 @@
-"""Configuration: one TOML file plus ``HL7_AGENT_<SECTION>__<KEY>`` overrides (SPEC 3).
+"""Configuration: one TOML file plus ``HL7_AGENT_<SECTION>__<KEY>`` overrides (docs/configuration.md).
 
 - :mod:`agent.app.config.values`: parsers of durations, sizes and encodings;
 - :mod:`agent.app.config.models`: the pydantic models, one per section, and ``Settings``;

@@ -44,7 +44,7 @@ CONFIG_ENV = "HL7_AGENT_CONFIG"
 CHANNELS_ENV = "HL7_AGENT_CHANNELS"
 
 
-# Prefixed variables that are not configuration keys (SPEC 3). Anything else
+# Prefixed variables that are not configuration keys (docs/configuration.md). Anything else
 # starting with HL7_AGENT_ must name a known <SECTION>__<KEY>.
 NON_KEY_VARIABLES = frozenset({CONFIG_ENV, CHANNELS_ENV, "HL7_AGENT_DEV_TOKEN"})
 
@@ -85,7 +85,7 @@ def resolve_config_path(
 
 
 def _env_lookup(environ: Mapping[str, str], name: str) -> str | None:
-    """Case-insensitive variable lookup (SPEC 3 names are case-insensitive)."""
+    """Case-insensitive variable lookup (variable names are case-insensitive: docs/configuration.md#where-the-configuration-comes-from)."""
     for key, value in environ.items():
         if key.upper() == name:
             return value
@@ -224,7 +224,7 @@ def _merge(
 def load_settings(
     cli_value: str | None = None, environ: Mapping[str, str] | None = None
 ) -> Settings:
-    """Load the file (SPEC 3 fallback order) and apply the environment; ConfigError if invalid."""
+    """Load the file (--config, then HL7_AGENT_CONFIG, then the default path) and apply the environment; ConfigError if invalid."""
     env = os.environ if environ is None else environ
     path = resolve_config_path(cli_value, env)
     named_by = (
@@ -252,7 +252,7 @@ def _check_files_exist(settings: Settings, sources: dict[str, str], path: Path |
     for index, channel in enumerate(settings.channels):
         checks += [
             (f"channels[{index}].{key}", getattr(channel, key))
-            for key in ("tls_cert", "tls_key", "tls_client_ca")
+            for key in ("tls_cert", "tls_key", "tls_client_ca", "tls_server_ca")
         ]
     for dotted, file in checks:
         if file is not None and not file.is_file():

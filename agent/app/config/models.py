@@ -49,10 +49,11 @@ from agent.app.config.values import (
 )
 from agent.core.addresses import parse_listen
 from agent.errors import ConfigError
+from agent.storage.conninfo import dsn_has_password, mask_dsn
 
 
 def _absolute(path: Path | None, info: ValidationInfo) -> Path | None:
-    """Relative paths are relative to the config file's folder (SPEC 3)."""
+    """Relative paths are relative to the config file's folder (docs/configuration.md#value-formats)."""
     if path is None or path.is_absolute():
         return path
     base = (info.context or {}).get("base_dir")
@@ -66,7 +67,7 @@ def _default_agent_id() -> str:
 
 
 class _Section(BaseModel):
-    """Every section refuses unknown keys (SPEC 3: a typo must not be ignored)."""
+    """Every section refuses unknown keys (a typo must not be ignored silently)."""
 
     model_config = ConfigDict(extra="forbid", validate_default=False)
 
@@ -80,7 +81,7 @@ class AgentSettings(_Section):
     # Stable identity sent to the server and recorded in the queue database.
     id: str = Field(default_factory=_default_agent_id)
     data_dir: Path = Path("/var/lib/hl7-agent")
-    # SO_REUSEPORT is the fallback listener-sharing mode (SPEC 7).
+    # SO_REUSEPORT is the fallback listener-sharing mode (docs/deploy.md#how-the-listening-sockets-outlive-a-process).
     reuse_port: bool = False
     # Graceful stop budget; keep it below systemd's TimeoutStopSec.
     shutdown_budget: PositiveDuration = 20.0
@@ -197,25 +198,96 @@ class AdminSettings(_Section):
         return parse_listen(self.listen, allow_port_zero=True) if self.listen else None
 
 
+#: Keys that tune the SQLite file and mean nothing on a database server: refused with
+#: backend = "postgresql" rather than silently ignored.
+SQLITE_ONLY_KEYS = ("synchronous", "max_db_bytes", "min_free_disk_bytes", "checkpoint_interval")
+
+
 class QueueSettings(_Section):
+    # "sqlite": queue.db in data_dir (one host). "postgresql": a database several
+    # hosts share (docs/ha.md), reached with dsn.
+    backend: Annotated[Literal["sqlite", "postgresql"], BeforeValidator(_lower)] = "sqlite"
+    # libpq URL or key/value conninfo; a password in it is masked wherever it is shown.
+    dsn: Annotated[str | None, BeforeValidator(_empty_is_none)] = None
+    # The database password, read at every connect (never on a command line).
+    password_file: OptionalPath = None
     synchronous: Annotated[Literal["full", "normal"], BeforeValidator(_lower)] = "full"
     dedupe_window: Duration = 7 * 86400.0
     retention: Duration = 30 * 86400.0
     max_db_bytes: ByteSize = 0  # 0 = no cap
     min_free_disk_bytes: ByteSize = 256 * MiB
+    # SQLite's busy timeout; PostgreSQL's lock_timeout on the agent's sessions.
     busy_timeout: PositiveDuration = 5.0
     checkpoint_interval: PositiveDuration = 60.0
     retention_interval: PositiveDuration = 300.0
 
+    @field_validator("password_file", mode="after")
+    @classmethod
+    def _resolve_password_file(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        return _absolute(value, info)
+
     @model_validator(mode="after")
     def _retention_covers_dedupe(self) -> QueueSettings:
-        # SPEC 6: purging a row must never forget a dedupe key before its window.
+        # docs/queue.md#dedupe: purging a row must never forget a dedupe key before its window.
         if self.retention < self.dedupe_window:
             raise ValueError(
                 f"retention ({_human(self.retention)}) must be >= dedupe_window "
                 f"({_human(self.dedupe_window)})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _backend_keys(self) -> QueueSettings:
+        if self.backend == "sqlite":
+            given = [k for k in ("dsn", "password_file") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(
+                    f'{" and ".join(given)} {"applies" if len(given) == 1 else "apply"} only to '
+                    'backend = "postgresql" '
+                    '(the default backend "sqlite" keeps queue.db in agent.data_dir)'
+                )
+            return self
+        sqlite_only = [k for k in SQLITE_ONLY_KEYS if k in self.model_fields_set]
+        if sqlite_only:
+            raise ValueError(
+                f'{", ".join(sqlite_only)} {"is" if len(sqlite_only) == 1 else "are"} SQLite-only '
+                'and refused with backend = "postgresql" (the database server keeps its own '
+                "durability and disk); remove them"
+            )
+        if self.dsn is None:
+            raise ValueError(
+                'backend = "postgresql" needs dsn, e.g. dsn = "postgresql://hl7agent@db.example.org:5432/hl7"'
+            )
+        _check_dsn(self.dsn)
+        if self.password_file is not None and dsn_has_password(self.dsn):
+            raise ValueError("the dsn holds a password and password_file is set too; keep only one")
+        return self
+
+    @property
+    def dsn_masked(self) -> str | None:
+        """``dsn`` as it may be shown: a password in it replaced by ``***``."""
+        return None if self.dsn is None else mask_dsn(self.dsn)
+
+
+def _check_dsn(dsn: str) -> None:
+    """psycopg installed, and ``dsn`` a connection string libpq can parse (without connecting)."""
+    try:
+        from psycopg import ProgrammingError
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        raise ValueError(
+            "backend = \"postgresql\" needs psycopg, which is not installed: "
+            "pip install 'hl7-agent[postgresql]'"
+        ) from None
+    try:
+        conninfo_to_dict(dsn)
+    except ProgrammingError as exc:
+        # libpq's own words, with the connection string masked (it may hold a password).
+        reason = str(exc).replace(dsn, mask_dsn(dsn)).strip().splitlines()[0]
+        raise ValueError(
+            f"dsn {mask_dsn(dsn)!r} is not a libpq connection string ({reason}); use "
+            "postgresql://user@host:5432/dbname or host=... dbname=..."
+        ) from None
 
 
 class DispatchSettings(_Section):
@@ -243,7 +315,10 @@ class DispatchSettings(_Section):
 
 class ChannelSettings(_Section):
     name: str
-    listen: str
+    # Exactly one of the two: listen for senders, or dial out to a sender that
+    # acts as the MLLP server (an outbound channel, "client mode").
+    listen: str | None = None
+    connect: str | None = None
     ack: Annotated[Literal["commit", "application"], BeforeValidator(_lower)] = "commit"
     guaranteed_delivery: bool = False
     max_message_bytes: Annotated[ByteSize, Field(ge=KiB, le=64 * MiB)] = 1048576
@@ -264,11 +339,20 @@ class ChannelSettings(_Section):
     # A started frame must complete within this (slowloris). 60 s carries a
     # 1 MiB message over a ~150 kbit/s link; never 0: the guard cannot be off.
     frame_timeout: PositiveDuration = 60.0
-    # What the channel accepts (SPEC 4: AR/CR with ERR-3 200-203 otherwise);
+    # What the channel accepts (docs/acks.md#error-codes: AR/CR with ERR-3 200-203 otherwise);
     # empty = anything. "ADT" allows every ADT event, "ADT^A01" only that one.
     accept_message_types: list[str] = Field(default_factory=list)
     accept_processing_ids: list[str] = Field(default_factory=list)
     accept_versions: list[str] = Field(default_factory=list)  # "2.5" also admits "2.5.1"
+    # Outbound channels (connect): TLS verifies the sender's certificate
+    # against tls_server_ca (setting it turns TLS on) for tls_server_name (the
+    # connect host by default); tls_cert/tls_key are then our client
+    # certificate. A lost connection is dialled again after a capped,
+    # jittered backoff (reconnect_initial doubling up to reconnect_cap).
+    tls_server_ca: OptionalPath = None
+    tls_server_name: str | None = None
+    reconnect_initial: PositiveDuration = 1.0
+    reconnect_cap: PositiveDuration = 30.0
 
     @field_validator("name")
     @classmethod
@@ -279,9 +363,23 @@ class ChannelSettings(_Section):
 
     @field_validator("listen")
     @classmethod
-    def _listen(cls, value: str, info: ValidationInfo) -> str:
+    def _listen(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
         strict = bool((info.context or {}).get("strict_ports"))
         parse_listen(value, allow_port_zero=not strict)
+        return value.strip()
+
+    @field_validator("connect")
+    @classmethod
+    def _connect(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            parse_listen(value)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("listen ", "connect ", 1).replace("0.0.0.0:2575", "lis.example.org:2575")
+                             ) from None
         return value.strip()
 
     @field_validator("encoding")
@@ -320,27 +418,55 @@ class ChannelSettings(_Section):
                 ) from None
         return networks
 
-    @field_validator("tls_cert", "tls_key", "tls_client_ca", mode="after")
+    @field_validator("tls_cert", "tls_key", "tls_client_ca", "tls_server_ca", mode="after")
     @classmethod
     def _resolve_paths(cls, value: Path | None, info: ValidationInfo) -> Path | None:
         return _absolute(value, info)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ChannelSettings:
+        if (self.listen is None) == (self.connect is None):
+            raise ValueError("set either listen (senders connect to us) or connect (we dial out to the sender), "
+                             "not both" if self.listen is not None else
+                             "set listen (senders connect to us) or connect (we dial out to the sender)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together; set both or neither")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("tls_client_ca needs tls_cert and tls_key")
+        if self.connect is not None:
+            # A security setting is never silently ignored: a listener's keys mean nothing here.
+            # (Their defaults pass: check-config's output of this channel loads again.)
+            for key in ("tls_client_ca", "allowed_sources", "max_connections", "max_connections_per_source"):
+                default = type(self).model_fields[key].get_default(call_default_factory=True)
+                if getattr(self, key) != default:
+                    raise ValueError(f"{key} is for a listening channel; this channel dials out (connect)")
+            if self.tls_cert is not None and self.tls_server_ca is None:
+                raise ValueError("tls_cert/tls_key on an outbound channel are its client certificate: "
+                                 "set tls_server_ca too (TLS to the sender)")
+            if self.tls_server_name is not None and self.tls_server_ca is None:
+                raise ValueError("tls_server_name needs tls_server_ca")
+        else:
+            if self.tls_client_ca is not None and self.tls_cert is None:
+                raise ValueError("tls_client_ca needs tls_cert and tls_key")
+            for key in ("tls_server_ca", "tls_server_name"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key} is for an outbound channel (connect); this channel listens")
+        if self.reconnect_initial > self.reconnect_cap:
+            raise ValueError(f"reconnect_initial ({_human(self.reconnect_initial)}) must be <= reconnect_cap "
+                             f"({_human(self.reconnect_cap)})")
         return self
 
     @property
+    def outbound(self) -> bool:
+        """The channel dials out to its sender (``connect``) instead of listening."""
+        return self.connect is not None
+
+    @property
     def host(self) -> str:
-        """The listen host, IPv6 brackets removed."""
-        return parse_listen(self.listen, allow_port_zero=True)[0]
+        """The listen host (or the connect host), IPv6 brackets removed."""
+        return parse_listen(self.listen or self.connect or "", allow_port_zero=True)[0]
 
     @property
     def port(self) -> int:
-        return parse_listen(self.listen, allow_port_zero=True)[1]
+        return parse_listen(self.listen or self.connect or "", allow_port_zero=True)[1]
 
 
 _WILDCARDS = frozenset({"0.0.0.0", "::"})
@@ -358,7 +484,7 @@ class Settings(BaseSettings):
 
     ``Settings(...)`` validates only the values it is given (no environment,
     no file): deterministic for tests; :func:`load_settings` adds the file and
-    the environment with SPEC 3's strictness.
+    the environment, refusing unknown keys.
     """
 
     # Keys are matched exactly: the file's [SERVER] is an unknown section, not
@@ -400,6 +526,8 @@ class Settings(BaseSettings):
                     f"channels[{seen_names[channel.name]}]; channel names must be unique"
                 )
             seen_names[channel.name] = index
+            if channel.outbound:
+                continue  # binds nothing here
             address = (channel.host, channel.port)
             for other_index, other in seen_addrs:
                 if _addresses_clash(address, other):
@@ -434,7 +562,7 @@ class Settings(BaseSettings):
 
 
 def security_features_unavailable(settings: Settings) -> list[str]:
-    """Security keys set before their feature exists (SPEC 3); the lead decides which."""
+    """Security keys set before their feature exists; the lead decides which."""
     return []
 
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, SecretStr
 
 from agent.app.config.models import _SECTIONS, Settings
 from agent.app.config.values import _mask_url
+from agent.storage.conninfo import mask_dsn
 
 
 def _toml_value(value: Any) -> str:
@@ -39,6 +40,8 @@ def _render_section(model: BaseModel, prefix: str, sources: dict[str, str]) -> l
             lines.append(f'{key} = "***"{note}')
         elif key in ("url", "proxy") and isinstance(value, str):
             lines.append(f"{key} = {_toml_value(_mask_url(value))}{note}")
+        elif key == "dsn" and isinstance(value, str):
+            lines.append(f"{key} = {_toml_value(mask_dsn(value))}{note}")
         elif value is None and prefix == "admin" and key == "listen":
             lines.append(f'listen = ""  # admin endpoint disabled{note.replace("  #", ";")}')
         elif value is None:

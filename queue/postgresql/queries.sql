@@ -1,0 +1,249 @@
+-- Named queries of the hl7-agent queue (PostgreSQL). Each block starts with "-- name: x".
+-- The same names, columns and guards as queue/sqlite/queries.sql
+-- (tests/unit/test_dialect_queries.py compares them); parameters are
+-- psycopg's %(name)s, cast where PostgreSQL cannot infer a NULL's type.
+-- Every state transition is a guarded UPDATE (WHERE id = ? AND state = ?)
+-- whose row count the caller checks, named after its event in
+-- agent/core/states.py (agent/storage/store_base.py: TRANSITION_QUERIES);
+-- every dispatch write is fenced on the lease epoch (docs/queue.md#fencing).
+-- Every write transaction of the agent holds its advisory lock
+-- (agent/storage/postgres.py), so these statements never interleave across hosts.
+
+-- name: dedupe_lookup
+SELECT body_sha256, message_id, ack_mode, commit_ack, app_ack
+FROM dedupe_keys
+WHERE channel = %(channel)s AND sending_app = %(sending_app)s
+  AND sending_facility = %(sending_facility)s AND control_id = %(control_id)s
+  AND expires_at > %(now)s
+
+-- name: dedupe_upsert
+-- The primary key is the constraint: a key still live is never overwritten
+-- (0 rows: the store refuses the insert), an expired one is replaced.
+INSERT INTO dedupe_keys (channel, sending_app, sending_facility, control_id, body_sha256,
+                         message_id, ack_mode, commit_ack, app_ack, expires_at)
+VALUES (%(channel)s, %(sending_app)s, %(sending_facility)s, %(control_id)s, %(body_sha256)s,
+        %(message_id)s, %(ack_mode)s, %(commit_ack)s, NULL, %(expires_at)s)
+ON CONFLICT (channel, sending_app, sending_facility, control_id) DO UPDATE SET
+    body_sha256 = excluded.body_sha256, message_id = excluded.message_id,
+    ack_mode = excluded.ack_mode, commit_ack = excluded.commit_ack,
+    app_ack = NULL, expires_at = excluded.expires_at
+WHERE dedupe_keys.expires_at <= %(now)s
+
+-- name: dedupe_set_app_ack
+-- By the key's primary key, read from the row: dedupe_keys has no index on
+-- message_id, and a scan of every key per application ACK grows with the window.
+UPDATE dedupe_keys SET app_ack = %(app_ack)s
+WHERE (channel, sending_app, sending_facility, control_id) =
+      (SELECT channel, sending_app, sending_facility, control_id FROM messages WHERE id = %(message_id)s)
+  AND message_id = %(message_id)s
+
+-- name: next_seqs
+-- Takes the channel's counter row until COMMIT: seq order is commit order.
+-- Advance the channel's seq by %(n)s (the rows one commit batch queues on it);
+-- they take the seqs up to the returned one.
+INSERT INTO channels (channel, last_seq) VALUES (%(channel)s, %(n)s)
+ON CONFLICT (channel) DO UPDATE SET last_seq = channels.last_seq + excluded.last_seq
+RETURNING last_seq
+
+-- name: insert_message
+INSERT INTO messages (id, channel, seq, state, remote, sending_app, sending_facility, control_id,
+                      message_type, encoding, body, body_sha256, ack_mode, accept_ack_type,
+                      application_ack_type, ack_sent, ack_outcome, attempts, next_attempt_at,
+                      error_code, error_text, received_at, updated_at)
+VALUES (%(id)s, %(channel)s, %(seq)s, %(state)s, %(remote)s, %(sending_app)s, %(sending_facility)s,
+        %(control_id)s, %(message_type)s, %(encoding)s, %(body)s, %(body_sha256)s, %(ack_mode)s,
+        %(accept_ack_type)s, %(application_ack_type)s, %(ack_sent)s, %(ack_outcome)s, 0, 0,
+        %(error_code)s, %(error_text)s, %(now)s, %(now)s)
+
+-- name: dedupe_prior_row
+-- The original row of a duplicate (it may have been purged since).
+SELECT state, app_ack FROM messages WHERE id = %(id)s
+
+-- name: set_ack_outcome
+-- Leaves updated_at alone: retention counts from the row's last state change.
+UPDATE messages SET ack_outcome = %(outcome)s
+WHERE id = %(id)s AND ack_outcome <> %(outcome)s
+
+-- name: lease_row
+SELECT holder, holder_pid, holder_boot, holder_pidns, holder_start, epoch, expires_at
+FROM lease WHERE name = 'dispatch'
+
+-- name: lease_take
+UPDATE lease SET holder = %(holder)s, holder_pid = %(pid)s, holder_boot = %(boot)s,
+                 holder_pidns = %(pidns)s, holder_start = %(start)s, epoch = epoch + 1,
+                 expires_at = %(expires_at)s, acquired_at = %(now)s, renewed_at = %(now)s
+WHERE name = 'dispatch' AND epoch = %(seen_epoch)s
+RETURNING epoch
+
+-- name: lease_renew
+UPDATE lease SET expires_at = %(expires_at)s, renewed_at = %(now)s
+WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s
+
+-- name: lease_release
+UPDATE lease SET holder = NULL, holder_pid = NULL, holder_boot = NULL, holder_pidns = NULL,
+                 holder_start = NULL, expires_at = NULL
+WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s
+
+-- name: queue_id
+-- The queue's UUID (made once by migrate): sent in hello with the lease epoch.
+SELECT value FROM meta WHERE key = 'queue_id'
+
+-- name: lease_fence
+SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s
+
+-- name: recover_claimed
+UPDATE messages SET state = 'queued', updated_at = %(now)s
+WHERE state = 'claimed'
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s)
+
+-- name: channel_head
+SELECT id, channel, seq, state, attempts, next_attempt_at, claim_epoch, remote, control_id,
+       message_type, encoding, body, received_at, ack_mode, redrive_base
+FROM messages
+WHERE channel = %(channel)s AND state IN ('queued', 'claimed', 'inflight')
+ORDER BY seq
+LIMIT 1
+
+-- name: claim
+UPDATE messages SET state = 'claimed', claim_epoch = %(epoch)s, claimed_at = %(now)s,
+                    updated_at = %(now)s
+WHERE id = %(id)s AND state = 'queued' AND next_attempt_at <= %(now)s
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s)
+
+-- name: send
+-- Committed before the frame is written: a claimed row goes out as attempt + 1.
+UPDATE messages SET state = 'inflight', attempts = attempts + 1, sent_at = %(now)s,
+                    claim_epoch = %(epoch)s, updated_at = %(now)s
+WHERE id = %(id)s AND state = 'claimed' AND attempts = %(attempts)s
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s)
+RETURNING attempts
+
+-- name: resend
+-- An inflight row sent again (a replaying server dedupes on its id), attempt + 1.
+UPDATE messages SET state = 'inflight', attempts = attempts + 1, sent_at = %(now)s,
+                    claim_epoch = %(epoch)s, updated_at = %(now)s
+WHERE id = %(id)s AND state = 'inflight' AND attempts = %(attempts)s
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s)
+RETURNING attempts
+
+-- name: settle
+UPDATE messages SET state = %(state)s, server_status = %(server_status)s,
+                    server_ack = %(server_ack)s, app_ack = COALESCE(%(app_ack)s::bytea, app_ack),
+                    error_code = %(error_code)s, error_text = %(error_text)s,
+                    server_reason = %(server_reason)s, settled_at = %(now)s, updated_at = %(now)s
+WHERE id = %(id)s AND state = 'inflight' AND attempts = %(attempt)s
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s)
+
+-- name: requeue
+UPDATE messages SET state = 'queued', next_attempt_at = %(next_attempt_at)s,
+                    server_status = %(server_status)s, error_code = %(error_code)s,
+                    error_text = %(error_text)s, server_reason = %(server_reason)s,
+                    updated_at = %(now)s
+WHERE id = %(id)s AND state IN ('inflight', 'claimed') AND attempts = %(attempt)s
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s)
+
+-- name: fail_live
+-- server_reason: the last answer's reason when a server answer ended it (max_attempts),
+-- kept as it was otherwise (ambiguous, too big: no answer to read).
+UPDATE messages SET state = %(state)s, error_code = %(error_code)s, error_text = %(error_text)s,
+                    server_reason = COALESCE(%(server_reason)s::text, server_reason),
+                    app_ack = COALESCE(%(app_ack)s::bytea, app_ack), settled_at = %(now)s,
+                    updated_at = %(now)s
+WHERE id = %(id)s AND state IN ('queued', 'claimed', 'inflight') AND attempts = %(attempt)s
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s)
+
+-- name: channel_pause
+INSERT INTO channels (channel, last_seq, paused, paused_at, paused_reason)
+VALUES (%(channel)s, 0, 1, %(now)s, %(reason)s)
+ON CONFLICT (channel) DO UPDATE SET paused = 1, paused_at = excluded.paused_at,
+                                    paused_reason = excluded.paused_reason
+
+-- name: channel_resume
+INSERT INTO channels (channel, last_seq, paused) VALUES (%(channel)s, 0, 0)
+ON CONFLICT (channel) DO UPDATE SET paused = 0, paused_at = NULL, paused_reason = NULL
+
+-- name: channel_flags
+SELECT channel, last_seq, paused, paused_at, paused_reason FROM channels ORDER BY channel COLLATE "C"
+
+-- name: paused_channels
+SELECT channel FROM channels WHERE paused = 1
+
+-- name: count_by_state
+SELECT state, count(*) AS n FROM messages GROUP BY state
+
+-- name: live_by_channel
+SELECT channel, state, count(*) AS n, min(CASE WHEN state = 'queued' THEN received_at END) AS oldest
+FROM messages WHERE state IN ('queued', 'claimed', 'inflight')
+GROUP BY channel, state
+
+-- name: purge_expired_dedupe_keys
+DELETE FROM dedupe_keys WHERE expires_at <= %(now)s
+
+-- name: purge_terminal_older_than
+DELETE FROM messages WHERE id IN (
+    SELECT id FROM messages
+    WHERE state IN ('processed', 'rejected', 'nacked') AND updated_at < %(cutoff)s
+    ORDER BY updated_at LIMIT %(limit)s)
+
+-- name: purge_oldest_terminal
+DELETE FROM messages WHERE id IN (
+    SELECT id FROM messages
+    WHERE state IN ('processed', 'rejected', 'nacked')
+    ORDER BY updated_at LIMIT %(limit)s)
+
+-- name: row_by_id
+SELECT id, channel, seq, state, remote, sending_app, sending_facility, control_id, message_type,
+       encoding, body, body_sha256, ack_mode, accept_ack_type, application_ack_type, ack_sent,
+       app_ack, ack_outcome, attempts, redrive_base, next_attempt_at, claim_epoch, server_status,
+       server_ack, error_code, error_text, received_at, claimed_at, sent_at, settled_at, updated_at,
+       server_reason
+FROM messages WHERE id = %(id)s
+
+-- name: recent_failures
+SELECT id, channel, control_id, message_type, state, error_code, error_text, attempts, updated_at,
+       server_status, server_reason
+FROM messages WHERE state IN ('failed', 'rejected')
+ORDER BY updated_at DESC LIMIT %(limit)s
+
+-- name: settled_app_acks
+-- The application-ACK relay's poll (docs/acks.md#relayed-application-acks):
+-- rows among the ids given (a JSON array) whose application ACK is known.
+SELECT id, app_ack FROM messages
+WHERE id IN (SELECT jsonb_array_elements_text(%(ids)s::jsonb)) AND app_ack IS NOT NULL
+
+-- name: probe_write
+INSERT INTO meta (key, value) VALUES ('last_probe', %(now)s)
+ON CONFLICT (key) DO UPDATE SET value = excluded.value
+
+-- name: meta_table_exists
+SELECT 1 WHERE to_regclass('meta') IS NOT NULL
+
+-- name: meta_all
+SELECT key, value FROM meta
+
+-- name: meta_upsert
+INSERT INTO meta (key, value) VALUES (%(key)s, %(value)s)
+ON CONFLICT (key) DO UPDATE SET value = excluded.value
+
+-- name: meta_insert
+INSERT INTO meta (key, value) VALUES (%(key)s, %(value)s)
+
+-- name: meta_insert_if_absent
+INSERT INTO meta (key, value) VALUES (%(key)s, %(value)s) ON CONFLICT (key) DO NOTHING
+
+-- name: operator_actions_due
+-- Is there an operator action a daemon has not logged yet (finished, or silent for long)?
+SELECT 1 FROM operator_actions
+WHERE logged_at IS NULL AND (status <> 'running' OR updated_at < %(stale_before)s)
+LIMIT 1
+
+-- name: operator_actions_take
+-- Marks them logged and returns them: the agent's write lock makes each entry one process's
+-- to log, whichever host it runs on.
+UPDATE operator_actions SET logged_at = %(now)s
+WHERE logged_at IS NULL AND (status <> 'running' OR updated_at < %(stale_before)s)
+RETURNING id, action, os_user, pid, channel, reason, rows, detail, status, started_at, updated_at
+
+-- name: operator_actions_forget
+-- Entries logged longer ago than the queue's retention.
+DELETE FROM operator_actions WHERE logged_at IS NOT NULL AND logged_at < %(cutoff)s
