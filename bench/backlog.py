@@ -2,11 +2,11 @@
 
     .venv/bin/python bench/backlog.py [--rows 1000000] [--channels 4] [--drain-seconds 60]
 
-The backlog is written through the store's own intake path (``SqliteStore.intake``
-with the IntakeItem the listener builds, the commit ACK from ``acks.build_ack``,
-then ``set_ack_outcome("delivered")`` as after a delivered ACK) in transactions of
-10,000 rows: the rows, seq counters and dedupe keys are exactly what intake writes,
-only the commits are fewer. Then, for a small backlog (``--small-rows``) and for
+The backlog is written through the store's own intake path (``SqliteStore.intake_groups``
+as the writer calls it for a commit batch, one group per message, with the IntakeItem the
+listener builds and the commit ACK from ``acks.build_ack``, then ``set_ack_outcomes`` with
+"delivered" as after the ACKs went out) in transactions of 10,000 rows: the rows, seq
+counters and dedupe keys are exactly what intake writes, only the commits are fewer. Then, for a small backlog (``--small-rows``) and for
 the large one:
 
 - claim cost: inside one transaction that is rolled back (the backlog stays as
@@ -36,7 +36,8 @@ AGENT_ID = "bench-agent"
 
 
 def fill_queue(db_path: Path, channels: list[str], rows: int, batch: int = 10_000) -> float:
-    """Write ``rows`` queued messages through the store's intake path; seconds taken.
+    """Write ``rows`` queued messages through the store's intake path (the writer's: a commit batch of
+    one-message groups, then their ACK outcomes); seconds taken.
 
     The one place the benches use the agent's inside: if the store's
     interface changes, this function is what to adapt.
@@ -55,6 +56,7 @@ def fill_queue(db_path: Path, channels: list[str], rows: int, batch: int = 10_00
         done = 0
         while done < rows:
             with store.transaction():
+                items = []
                 for i in range(done, min(rows, done + batch)):
                     body = h.ADT_TEMPLATE.format(cid=f"B{i}").encode()
                     env = envelope.read_msh(body)
@@ -68,10 +70,13 @@ def fill_queue(db_path: Path, channels: list[str], rows: int, batch: int = 10_00
                         encoding=codec, ack_mode="commit", accept_ack_type=env.accept_ack_type,
                         application_ack_type=env.application_ack_type, commit_ack=commit_ack,
                     )
-                    result = store.intake(item)
+                    items.append(item)
+                # As the writer commits a batch: every sender's message its own group.
+                results = [r for group in store.intake_groups([[it] for it in items]) for r in group]
+                for n, result in enumerate(results, start=done):
                     if result.outcome != "accepted":
-                        raise h.BenchError(f"backlog row {i}: intake said {result.outcome}")
-                    store.set_ack_outcome(result.message_id, "delivered")
+                        raise h.BenchError(f"backlog row {n}: intake said {result.outcome}")
+                store.set_ack_outcomes([(r.message_id, "delivered") for r in results])
             done = min(rows, done + batch)
     finally:
         conn.close()

@@ -12,7 +12,9 @@ somewhat over 400 lines.
 from __future__ import annotations
 
 import functools
+import itertools
 import re
+import time
 import uuid
 from datetime import datetime
 from enum import Enum, StrEnum
@@ -97,9 +99,32 @@ def ack_code(outcome: Outcome, enhanced: bool) -> AckCode:
     return enhanced_code if enhanced else original
 
 
+#: This process's ACK ids: 40 random bits once, then a counter (an ACK's MSH-10
+#: need only be unique; a random UUID per ACK cost a system call each).
+_ID_PREFIX = uuid.uuid4().hex[:10].upper()
+_ID_COUNTER = itertools.count(1)
+
+
 def new_control_id() -> str:
     """A fresh MSH-10 for an ACK: unique and 20 characters (HL7 ST limit in v2.3-2.5)."""
-    return uuid.uuid4().hex[:20].upper()
+    return f"{_ID_PREFIX}{next(_ID_COUNTER) % 16**10:010X}"
+
+
+#: (epoch second, its local YYYYMMDDHHMMSS, its zone +ZZZZ): formatting a
+#: datetime per ACK was a tenth of the ACK's cost; the second changes seldom.
+_second: tuple[int, str, str] = (-1, "", "")
+
+
+def _now_parts() -> tuple[str, int, str]:
+    """Now as local YYYYMMDDHHMMSS, ten-thousandths of the second, and zone."""
+    global _second  # noqa: PLW0603 - a one-entry cache, swapped whole (atomic)
+    t = time.time()
+    sec = int(t)
+    cached = _second
+    if cached[0] != sec:
+        moment = datetime.fromtimestamp(sec).astimezone()
+        cached = _second = (sec, f"{moment:%Y%m%d%H%M%S}", f"{moment:%z}")
+    return cached[1], min(9999, int((t - sec) * 10000)), cached[2]
 
 
 def _version_tuple(version_id: str, component_sep: str) -> tuple[int, int, int]:
@@ -118,8 +143,12 @@ def _timestamp(now: datetime | None, delimiters: str = "") -> str:
     as a separator) is left out, so MSH-7 never splits the ACK's fields.
     """
     if now is None:
-        moment = datetime.now().astimezone()
-    elif now.tzinfo is None:
+        seconds, fraction, zone = _now_parts()
+        text = seconds
+        if "." not in delimiters:
+            text += f".{fraction:04d}"
+        return text + zone if zone[:1] not in delimiters else text
+    if now.tzinfo is None:
         moment = now.astimezone()  # naive: taken as local time
     else:
         moment = now
@@ -245,7 +274,8 @@ def build_ack(
         # minimal reject) gets defaults: the ERR layout depends on the version.
         processing_id = copied(inbound.processing_id)
         version_id = copied(inbound.version_id)
-        if not version_id:
+        # MSH-12.1 (the version itself) is what a reader requires: "^^^" is missing too.
+        if not version_id.split(delims.component, 1)[0]:
             processing_id = processing_id or _DEFAULT_PROCESSING_ID
             version_id = _DEFAULT_VERSION
         version = _version_tuple(version_id, delims.component)

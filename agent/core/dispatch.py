@@ -159,12 +159,12 @@ class SessionFacts:
 class Note:
     """A log line to write (never a message body): ``level`` is a structlog method name."""
 
-    level: Literal["info", "warning", "error"]
+    level: Literal["debug", "info", "warning", "error"]
     event: str
     fields: tuple[tuple[str, object], ...] = ()
 
     @classmethod
-    def of(cls, level: Literal["info", "warning", "error"], event: str, **fields: object) -> Note:
+    def of(cls, level: Literal["debug", "info", "warning", "error"], event: str, **fields: object) -> Note:
         return cls(level, event, tuple(fields.items()))
 
     def write(self, logger: Any) -> None:  # noqa: ANN401 - a structlog bound logger
@@ -429,7 +429,8 @@ def on_response(
     app_ack, notes = _application_ack(row, status, response.ack)
     if kind is StatusClass.PROCESSED:
         return Settle(row.id, attempt, State.PROCESSED, response, app_ack,
-                      note=Note.of("info", "message_processed", status=status, attempt=attempt),
+                      # Debug: a line per delivered message costs what intake's did (bench/README.md).
+                      note=Note.of("debug", "message_processed", status=status, attempt=attempt),
                       stale=_stale(attempt), notes=notes)
     pause = (_pause(row, policy, f"rejected row {row.id} (status {status})")
              if policy.on_reject == "pause" else None)

@@ -188,7 +188,7 @@ NO_REPLY = OwedReply()
 class Log:
     """A log line: a snake_case event stating a fact, and ids and codes (never message bytes)."""
 
-    level: Literal["info", "warning", "error"]
+    level: Literal["debug", "info", "warning", "error"]
     event: str
     fields: dict[str, Any] = field(default_factory=dict)
 

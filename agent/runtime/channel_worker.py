@@ -9,9 +9,17 @@ flag of ``on_reject = "pause"`` in the same commit), fenced on the tenure's
 epoch (the store raises LeaseLost when the fence fails; it ends the tenure).
 
 Strict FIFO: one row of the channel in flight, the next is not sent before
-it settled (docs/protocol.md#ordering-per-channel). A partitioned channel
-runs agent.runtime.partition_worker.PartitionWorker instead, which reuses
-the send and apply steps below for several rows of different keys.
+it settled (docs/protocol.md#ordering-per-channel). To spare fsyncs, the
+claim and the inflight mark share one commit, and a settle carries the next
+head's claim and inflight mark in its own commit when the core would send
+that head at once: one commit per message while a backlog drains. A
+partitioned channel runs agent.runtime.partition_worker.PartitionWorker
+instead, which reuses the send and apply steps below for several rows of
+different keys.
+
+One module of about 420 lines: the store calls, the shared context and the
+worker loop are one unit — each store call exists for exactly one step of
+the loop, and apart they would be read side by side anyway.
 """
 
 from __future__ import annotations
@@ -73,6 +81,17 @@ def _head_of(store: SqliteStore, channel: str) -> tuple[HeadRow | None, bool]:
     return store.channel_head(channel), channel in store.paused_channels()
 
 
+def _claim_and_mark(store: SqliteStore, holder: str, epoch: int, send: Send) -> int | None:
+    """Event.CLAIM then Event.SEND in one commit: the new attempt number, or None if the claim failed.
+
+    One fsync instead of two on the way out; the row is still provably
+    unsent until this commit returns, as with two.
+    """
+    if not store.claim(holder, epoch, send.id):
+        return None
+    return store.mark_inflight(holder, epoch, send.id, State.CLAIMED, send.attempts)
+
+
 def _settle(store: SqliteStore, holder: str, epoch: int, a: Settle) -> bool:
     """Event.SETTLE for this attempt; with ``a.pause``, the channel's pause flag in the same commit."""
     done = store.settle(
@@ -91,6 +110,41 @@ def _pause(store: SqliteStore, pause: Pause) -> None:
         store.pause_partition(pause.channel, pause.partition, pause.reason)
     else:
         store.pause_channel(pause.channel, pause.reason)
+
+
+@dataclass(frozen=True, slots=True)
+class _Next:
+    """The channel's next head, claimed and marked inflight in its predecessor's settle commit."""
+
+    head: HeadRow
+    send: Send
+    policy: ChannelPolicy
+    attempt: int
+
+
+def _settle_and_next(
+    store: SqliteStore, holder: str, epoch: int, a: Settle,
+    policies: tuple[ChannelPolicy, ChannelPolicy], facts: SessionFacts, now: float,
+) -> tuple[bool, _Next | None]:
+    """Event.SETTLE of this row and, when the core would send the next head at once, its CLAIM and SEND.
+
+    One commit where there were three (settle, claim, inflight). The core
+    decides, as the worker loop would on reading the head after the settle;
+    a failure of any part fails the whole commit, as a failed settle does.
+    """
+    if not _settle(store, holder, epoch, a):
+        return False, None
+    running, paused = policies
+    head, is_paused = _head_of(store, running.name)
+    policy = paused if is_paused else running
+    if head is None or not isinstance(decide_head(head, policy, facts, now), Claim):
+        return True, None
+    claimed = dataclasses.replace(head, state=State.CLAIMED)
+    send = decide_head(claimed, policy, facts, now)
+    if not isinstance(send, Send):
+        return True, None
+    attempt = _claim_and_mark(store, holder, epoch, send)
+    return True, None if attempt is None else _Next(claimed, send, policy, attempt)
 
 
 def _give_up(store: SqliteStore, holder: str, epoch: int, a: GiveUp) -> bool:
@@ -150,6 +204,9 @@ def session_facts(link: UpstreamLink) -> SessionFacts:
 class ChannelWorker:
     """Dispatches one channel under one tenure's epoch, over that tenure's link."""
 
+    #: A settle also claims and marks inflight the channel's next head (strict FIFO only).
+    chains_next_head = True
+
     def __init__(
         self,
         ctx: DispatchContext,
@@ -189,18 +246,25 @@ class ChannelWorker:
                 continue
             policy = self.paused if paused else self.running
             decision = decide_head(head, policy, session_facts(link), time.time())
-            if isinstance(decision, Claim):
-                try:
-                    claimed = await ctx.writer.call(SqliteStore.claim, ctx.holder, self.epoch, decision.id)
-                except StorageError as exc:
-                    self.log.warning("dispatch_claim_failed", error=str(exc))
-                    await ctx.sleep(1.0)
-                    continue
-                if not claimed or head is None:
-                    continue
-                # Straight on to the send, without reading the head again.
+            claim_too = False
+            if isinstance(decision, Claim) and head is not None:
+                # What the core does with the head once claimed: a Send (the
+                # session is up) commits the claim and the inflight mark
+                # together; anything else claims alone and looks again.
                 head = dataclasses.replace(head, state=State.CLAIMED)
-                decision = decide_head(head, policy, session_facts(link), time.time())
+                then = decide_head(head, policy, session_facts(link), time.time())
+                if isinstance(then, Send):
+                    decision, claim_too = then, True
+                else:
+                    try:
+                        claimed = await ctx.writer.call(SqliteStore.claim, ctx.holder, self.epoch, decision.id)
+                    except StorageError as exc:
+                        self.log.warning("dispatch_claim_failed", error=str(exc))
+                        await ctx.sleep(1.0)
+                        continue
+                    if not claimed:
+                        continue
+                    decision = then
             if isinstance(decision, Wait):
                 until = decision.until
                 await self._idle(self.idle_poll if until is None else until - time.time())
@@ -221,7 +285,7 @@ class ChannelWorker:
             mlog = self.log.bind(id=head.id, control_id=head.control_id, seq=head.seq)
             try:
                 if isinstance(decision, Send):
-                    await self._send(decision, head, policy, session, mlog)
+                    await self._send(decision, head, policy, session, mlog, claim=claim_too)
                 elif isinstance(decision, (GiveUp, Requeue)):
                     # A head that cannot be sent: undecodable, or ambiguous
                     # (given up, or requeued on guaranteed delivery).
@@ -232,22 +296,41 @@ class ChannelWorker:
                 self.log.warning("dispatch_storage_error", error=str(exc))
                 await ctx.sleep(1.0)
 
-    async def _send(self, send: Send, head: HeadRow, policy: ChannelPolicy, session: Session, mlog: Any) -> None:
-        """Commit inflight, write the frame, and apply what the answer (or its absence) means."""
+    async def _send(self, send: Send, head: HeadRow, policy: ChannelPolicy, session: Session, mlog: Any,
+                    *, claim: bool = False) -> None:
+        """Commit inflight (``claim``: with the claim), write the frame, apply what the answer means."""
         ctx = self.ctx
         ctx.sending.add(head.id)
         try:
-            attempt = await ctx.writer.call(
-                SqliteStore.mark_inflight, ctx.holder, self.epoch, send.id, send.from_state, send.attempts
-            )
-            action: Settle | Requeue | GiveUp | KeepInflight
-            if session.closed:
-                # The session ended while inflight was being committed: the
-                # frame was provably never written, so this is no ambiguous row.
-                action = on_loss(head, attempt, Loss.NOT_WRITTEN, policy, replay=session.replay)
+            if claim:
+                attempt = await ctx.writer.call(_claim_and_mark, ctx.holder, self.epoch, send)
+                if attempt is None:
+                    return  # the row changed since it was read (an operator): look again
             else:
-                action = await self._exchange(with_attempt(send, attempt), head, policy, session, mlog)
-            await self._apply(action, mlog)
+                attempt = await ctx.writer.call(
+                    SqliteStore.mark_inflight, ctx.holder, self.epoch, send.id, send.from_state, send.attempts
+                )
+            while True:
+                action: Settle | Requeue | GiveUp | KeepInflight
+                if session.closed:
+                    # The session ended while inflight was being committed: the
+                    # frame was provably never written, so this is no ambiguous row.
+                    action = on_loss(head, attempt, Loss.NOT_WRITTEN, policy, replay=session.replay)
+                else:
+                    action = await self._exchange(with_attempt(send, attempt), head, policy, session, mlog)
+                # Only the strict worker chains the channel's next head into a settle:
+                # a partitioned channel's next row is chosen per key (PartitionWorker).
+                follow = (None if not self.chains_next_head or ctx.stopping.is_set() or session.closed
+                          else session)
+                nxt = await self._apply(action, mlog, follow=follow)
+                if nxt is None:
+                    return
+                # The next head's inflight mark was committed with this settle:
+                # it is in flight before this row leaves ``sending``.
+                ctx.sending.add(nxt.head.id)
+                ctx.sending.discard(head.id)
+                head, send, policy, attempt = nxt.head, nxt.send, nxt.policy, nxt.attempt
+                mlog = self.log.bind(id=head.id, control_id=head.control_id, seq=head.seq)
         finally:
             ctx.sending.discard(head.id)
 
@@ -300,14 +383,25 @@ class ChannelWorker:
         except StorageError as exc:
             mlog.warning("transmit_not_sent_requeue_failed", attempt=action.attempt, error=str(exc))
 
-    async def _apply(self, action: Settle | Requeue | GiveUp | KeepInflight, mlog: Any) -> None:
-        """One action, one store call (one commit); then its log line, metrics and relay."""
+    async def _apply(self, action: Settle | Requeue | GiveUp | KeepInflight, mlog: Any,
+                     *, follow: Session | None = None) -> _Next | None:
+        """One action, one store call (one commit); then its log line, metrics and relay.
+
+        ``follow``: a Settle also claims and marks inflight the channel's next
+        head in the same commit when the core sends it at once over this
+        session (the answer: that row, to be written next).
+        """
         if isinstance(action, KeepInflight):
-            return  # resent with the same id when the worker finds it at the head
+            return None  # resent with the same id when the worker finds it at the head
         for before in action.notes:
             before.write(mlog)
         ctx, epoch = self.ctx, self.epoch
-        if isinstance(action, Settle):
+        nxt: _Next | None = None
+        if isinstance(action, Settle) and follow is not None:
+            facts = SessionFacts(up=True, replay=follow.replay)
+            done, nxt = await ctx.writer.call(_settle_and_next, ctx.holder, epoch, action,
+                                              (self.running, self.paused), facts, time.time())
+        elif isinstance(action, Settle):
             done = await ctx.writer.call(_settle, ctx.holder, epoch, action)
         elif isinstance(action, GiveUp):
             done = await ctx.writer.call(_give_up, ctx.holder, epoch, action)
@@ -325,3 +419,4 @@ class ChannelWorker:
                 ctx.metrics.message_settled(self.name, action.state)
             if action.app_ack is not None and ctx.relay is not None:
                 ctx.relay.settled(action.id, action.app_ack)
+        return nxt

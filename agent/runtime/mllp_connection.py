@@ -54,7 +54,7 @@ from agent.core.intake_types import (
     RecordOutcome,
 )
 from agent.core.partition import PartitionKey
-from agent.storage.store import AuditItem, IntakeItem, SqliteStore
+from agent.storage.store import AuditItem, IntakeItem, IntakeResult, SqliteStore
 from agent.storage.writer import Writer
 
 if TYPE_CHECKING:
@@ -318,8 +318,7 @@ class Connection(asyncio.Protocol):
             self._count(action)
         elif isinstance(action, RecordOutcome):
             # Bookkeeping that may be lost in a crash: rides along with the next commit.
-            message_id, outcome = action.message_id, action.outcome
-            self.ctx.writer.defer(lambda store: SqliteStore.set_ack_outcome(store, message_id, outcome))
+            self.ctx.writer.defer_ack_outcome(action.message_id, action.outcome)
         elif isinstance(action, Audit):
             self._audit(action.record)
         elif isinstance(action, Committed):
@@ -343,28 +342,22 @@ class Connection(asyncio.Protocol):
             transport.abort()
 
     def _commit(self, action: Commit) -> None:
-        # One frame, one row; an HL7 batch frame commits its members together, all or none.
-        partition = self.channel.partition
-        items = [intake_item(self.channel.name, self.remote, message, partition) for message in action.items]
-        future: concurrent.futures.Future[Any]
-        if len(items) == 1:
-            future = _submit(self.ctx.writer, SqliteStore.intake, items[0])
-        else:
-            future = _submit(self.ctx.writer, SqliteStore.intake_batch, items)
+        # One frame, one row; an HL7 batch frame commits its members together as one
+        # group, all or none.
         ticket = action.ticket
-        many = len(items) > 1
+        channel, remote = self.channel.name, self.remote
 
-        def done(fut: concurrent.futures.Future[Any]) -> None:
-            if fut.cancelled():
-                self.core.commit_failed(ticket, RuntimeError("commit cancelled"))
-            elif (error := fut.exception()) is not None:
-                self.core.commit_failed(ticket, error)
+        def done(results: list[IntakeResult] | None, error: BaseException | None) -> None:
+            # On the loop, after the batch's COMMIT returned (one hop for the whole batch).
+            if results is not None:
+                self.core.commit_done(ticket, results)
             else:
-                result = fut.result()
-                self.core.commit_done(ticket, result if many else (result,))
+                self.core.commit_failed(ticket, error or RuntimeError("commit failed"))
             self._run()
 
-        future.add_done_callback(lambda fut: self._from_writer(done, fut))
+        partition = self.channel.partition
+        self.ctx.writer.intake([intake_item(channel, remote, message, partition) for message in action.items],
+                               done)
 
     def _audit(self, record: AuditRecord) -> None:
         future = _submit(self.ctx.writer, SqliteStore.record_audit, audit_item(self.channel.name, self.remote, record))

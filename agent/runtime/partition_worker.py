@@ -77,6 +77,9 @@ def _key_rows(store: SqliteStore, channel: str, key: PartitionKey) -> int:
 class PartitionWorker(ChannelWorker):
     """Dispatches one partitioned channel under one tenure's epoch."""
 
+    #: The next row is chosen per key from the view, never the channel's head.
+    chains_next_head = False
+
     def __init__(
         self,
         ctx: DispatchContext,

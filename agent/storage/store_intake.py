@@ -34,20 +34,29 @@ class _Keyed:
     key: dict[str, str]
     sha: str
 
+    @property
+    def key_tuple(self) -> tuple[str, str, str, str]:
+        k = self.key
+        return (k["channel"], k["sending_app"], k["sending_facility"], k["control_id"])
+
+
+@dataclass(slots=True)
+class _New:
+    """A message this run inserts: its row's id, and where its result goes."""
+
+    keyed: _Keyed
+    group: int
+    index: int
+    message_id: str = ""
+    seq: int = 0
+
 
 class IntakeQueries(StoreBase):
     """The intake half of the store."""
 
     def intake(self, item: IntakeItem) -> IntakeResult:
         """Queue one message, or find it is a duplicate or a conflict (a group of one)."""
-        now = self.clock()
-        k = self._keyed(item)
-        known = self._replay(k, now)
-        if known is not None:
-            return known
-        if maintenance.over_limits(self, now, self._cost(item)):
-            return IntakeResult(outcome="backpressure", message_id="", ack_mode=item.ack_mode)
-        return self._insert(k, now)
+        return self.intake_groups(((item,),))[0][0]
 
     def intake_batch(self, items: Sequence[IntakeItem]) -> list[IntakeResult]:
         """Queue a group of messages all or none: one result per item, in order.
@@ -57,29 +66,56 @@ class IntakeQueries(StoreBase):
         together (``backpressure``) when their total does not fit, and a
         failure while inserting rolls the whole group back.
         """
-        if len(items) == 1:
-            return [self.intake(items[0])]
+        if not items:
+            return []
+        with self.dialect.nested(self.conn, "intake_group"):
+            return self.intake_groups((items,))[0]
+
+    def intake_groups(self, groups: Sequence[Sequence[IntakeItem]]) -> list[list[IntakeResult]]:
+        """Queue several groups at once (the writer's commit batch): per group, ``intake_batch``'s answer.
+
+        The same answers as taking the groups one after another, in fewer
+        statements: dedupe against the table is one lookup per key, against
+        the earlier items of the run it is resolved here; each channel's seq
+        advances once for the run; the rows and their dedupe keys are one
+        statement per kind. All or nothing: a failure leaves the caller's
+        savepoint to roll back (the writer then takes the groups one by one).
+        """
         now = self.clock()
-        keyed = [self._keyed(item) for item in items]
-        results: list[IntakeResult | None] = [self._replay(k, now) for k in keyed]
-        new = [i for i, r in enumerate(results) if r is None]
-        if new:
+        taken: dict[tuple[str, str, str, str], _New] = {}  # keys this run inserts
+        inserts: list[_New] = []
+        out: list[list[IntakeResult | None]] = []
+        for g, items in enumerate(groups):
+            keyed = [self._keyed(item) for item in items]
+            results: list[IntakeResult | None] = [self._known(k, now, taken) for k in keyed]
+            out.append(results)
+            new = [i for i, r in enumerate(results) if r is None]
+            if not new:
+                continue
             cost = sum(self._cost(keyed[i].item) for i in new)
             if maintenance.over_limits(self, now, cost):
                 for i in new:
                     results[i] = IntakeResult(outcome="backpressure", message_id="", ack_mode=items[i].ack_mode)
-            else:
-                with self.dialect.nested(self.conn, "intake_group"):
-                    seen: set[tuple[str, ...]] = set()
-                    for i in new:
-                        k = keyed[i]
-                        key = tuple(k.key.values())
-                        # An earlier item of this group may have the same key:
-                        # it is in the table now, so ask the table again.
-                        again = self._replay(k, now) if k.item.control_id and key in seen else None
-                        results[i] = again or self._insert(k, now)
-                        seen.add(key)
-        return [r for r in results if r is not None]
+                continue
+            for i in new:
+                k = keyed[i]
+                # An earlier item of this group may have the same key: answered from it.
+                earlier = self._known(k, now, taken, table=False) if k.item.control_id else None
+                if earlier is not None:
+                    results[i] = earlier
+                    continue
+                entry = _New(k, g, i, self._new_id())
+                inserts.append(entry)
+                if k.item.control_id:
+                    taken[k.key_tuple] = entry
+        if inserts:
+            self._insert_rows(inserts, now, out)
+        return [[r for r in results if r is not None] for results in out]
+
+    @staticmethod
+    def _new_id() -> str:
+        """A message's id: the transmit UUID, random (docs/protocol.md: fixed for life)."""
+        return str(uuid.uuid4())
 
     def _keyed(self, item: IntakeItem) -> _Keyed:
         key = {
@@ -97,10 +133,23 @@ class IntakeQueries(StoreBase):
     def _cost(self, item: IntakeItem) -> int:
         return maintenance.intake_cost(self, self._cost_bytes(item))
 
-    def _replay(self, k: _Keyed, now: float) -> IntakeResult | None:
-        """The answer for a known key (duplicate or conflict), or None for a new message."""
+    def _known(self, k: _Keyed, now: float, taken: dict[tuple[str, str, str, str], _New], *,
+               table: bool = True) -> IntakeResult | None:
+        """The answer for a key this run inserts or the table knows (duplicate or conflict); None if new."""
         if not k.item.control_id:
             return None
+        first = taken.get(k.key_tuple)
+        if first is not None:
+            # As the table would answer once ``first`` is in it.
+            if first.keyed.sha != k.sha:
+                return IntakeResult(outcome="conflict", message_id=first.message_id, ack_mode=k.item.ack_mode)
+            item = first.keyed.item
+            return IntakeResult(outcome="duplicate", message_id=first.message_id, ack_mode=item.ack_mode,
+                                commit_ack=item.commit_ack, prior_state=_INTAKE_STATE)
+        return self._replay(k, now) if table else None
+
+    def _replay(self, k: _Keyed, now: float) -> IntakeResult | None:
+        """The table's answer for a known key (duplicate or conflict), or None for a new message."""
         prior = self._fetch_one("dedupe_lookup", now=now, **k.key)
         if prior is None:
             return None
@@ -119,50 +168,65 @@ class IntakeQueries(StoreBase):
             prior_state=State(row["state"]) if row is not None else None,
         )
 
-    def _insert(self, k: _Keyed, now: float) -> IntakeResult:
-        """Event.INTAKE: a new ``queued`` row with the channel's next seq, and its dedupe key."""
-        item = k.item
-        message_id = str(uuid.uuid4())
-        seq = int(self._scalar("next_seq", channel=item.channel))
-        # The hot path: parameters as one dict, built once.
-        self.conn.execute(self.q["insert_message"], {
-            "id": message_id,
-            "channel": item.channel,
-            "seq": seq,
-            "state": _INTAKE_STATE,
-            "remote": item.remote,
-            "sending_app": item.sending_app,
-            "sending_facility": item.sending_facility,
-            "control_id": item.control_id,
-            "message_type": item.message_type,
-            "encoding": item.encoding,
-            "body": item.body,
-            "body_sha256": k.sha,
-            "ack_mode": item.ack_mode,
-            "accept_ack_type": item.accept_ack_type,
-            "application_ack_type": item.application_ack_type,
-            "ack_sent": item.commit_ack,
-            "ack_outcome": AckOutcome.PENDING,
-            "error_code": None,
-            "error_text": None,
-            "now": item.received_at,
-            "partition_key": item.partition_key,
-        })
-        if item.control_id:
-            keyed = self.conn.execute(self.q["dedupe_upsert"], {
-                **k.key,
+    def _insert_rows(self, inserts: list[_New], now: float, out: list[list[IntakeResult | None]]) -> None:
+        """Event.INTAKE for the run: ``queued`` rows with their channels' next seqs, and their dedupe keys."""
+        per_channel: dict[str, list[_New]] = {}
+        for entry in inserts:
+            per_channel.setdefault(entry.keyed.item.channel, []).append(entry)
+        for channel, entries in per_channel.items():
+            # One advance per channel: the run's rows take the seqs up to it, in order.
+            last = int(self._scalar("next_seqs", channel=channel, n=len(entries)))
+            for offset, entry in enumerate(entries, start=last - len(entries) + 1):
+                entry.seq = offset
+        rows = []
+        keys = []
+        expires_at = now + self.dedupe_window
+        for entry in inserts:
+            item, k = entry.keyed.item, entry.keyed
+            rows.append({
+                "id": entry.message_id,
+                "channel": item.channel,
+                "seq": entry.seq,
+                "state": _INTAKE_STATE,
+                "remote": item.remote,
+                "sending_app": item.sending_app,
+                "sending_facility": item.sending_facility,
+                "control_id": item.control_id,
+                "message_type": item.message_type,
+                "encoding": item.encoding,
+                "body": item.body,
                 "body_sha256": k.sha,
-                "message_id": message_id,
                 "ack_mode": item.ack_mode,
-                "commit_ack": item.commit_ack,
-                "expires_at": now + self.dedupe_window,
-                "now": now,
+                "accept_ack_type": item.accept_ack_type,
+                "application_ack_type": item.application_ack_type,
+                "ack_sent": item.commit_ack,
+                "ack_outcome": AckOutcome.PENDING,
+                "error_code": None,
+                "error_text": None,
+                "now": item.received_at,
+                "partition_key": item.partition_key,
             })
-            if keyed.rowcount != 1:
-                # The key's unique constraint met a live key the lookup did not
+            if item.control_id:
+                keys.append({
+                    **k.key,
+                    "body_sha256": k.sha,
+                    "message_id": entry.message_id,
+                    "ack_mode": item.ack_mode,
+                    "commit_ack": item.commit_ack,
+                    "expires_at": expires_at,
+                    "now": now,
+                })
+            out[entry.group][entry.index] = IntakeResult(
+                outcome="accepted", message_id=entry.message_id, seq=entry.seq, ack_mode=item.ack_mode)
+        cur = self.conn.cursor()
+        cur.executemany(self.q["insert_message"], rows)
+        if keys:
+            # An expired key of the same name is replaced; a live one never is.
+            cur.executemany(self.q["dedupe_upsert"], keys)
+            if cur.rowcount != len(keys):
+                # A key's unique constraint met a live key the lookup did not
                 # see (another process's intake): never a second row for it.
                 raise StorageError("dedupe key taken by a concurrent intake; resend")
-        return IntakeResult(outcome="accepted", message_id=message_id, seq=seq, ack_mode=item.ack_mode)
 
     def record_audit(self, item: AuditItem) -> str:
         """Event.AUDIT: insert a ``nacked`` audit row; it never counts as a dedupe prior.
@@ -206,3 +270,14 @@ class IntakeQueries(StoreBase):
         if outcome not in ACK_OUTCOMES:
             raise ValueError(f"unknown ack_outcome {outcome!r}")
         return int(self._exec("set_ack_outcome", id=message_id, outcome=outcome).rowcount) == 1
+
+    def set_ack_outcomes(self, pairs: Sequence[tuple[str, str]]) -> int:
+        """``set_ack_outcome`` for many rows in one statement (the writer's batch); rows changed."""
+        for _message_id, outcome in pairs:
+            if outcome not in ACK_OUTCOMES:
+                raise ValueError(f"unknown ack_outcome {outcome!r}")
+        if not pairs:
+            return 0
+        cur = self.conn.cursor()
+        cur.executemany(self.q["set_ack_outcome"], [{"id": m, "outcome": o} for m, o in pairs])
+        return int(cur.rowcount)

@@ -5,10 +5,25 @@ synchronous and allows one writer at a time; on PostgreSQL each write
 transaction takes one lock the same way, and group commit shares a commit
 (and its WAL flush) among several senders just as well. The event loop never
 waits on it: callers ``await writer.call(SqliteStore.method, …)``; the thread
-takes every job waiting, runs them in one write transaction (each in its own
-SAVEPOINT so a failing job does not sink the batch) and resolves the futures
-only after ``COMMIT`` returned — so an accept ACK can never precede its commit
-(docs/queue.md#the-promise). If COMMIT fails, every job of the batch fails.
+takes every job waiting (the batch grows with the load: whatever queued up
+while the previous commit was on the disk), runs them in one write
+transaction and answers only after ``COMMIT`` returned — so an accept ACK can
+never precede its commit (docs/queue.md#the-promise). If COMMIT fails, every
+job of the batch fails.
+
+Inside the transaction each job runs in its own SAVEPOINT so a failing job
+does not sink the batch — except intake, which is checked up front instead:
+every intake group of the batch goes to ``SqliteStore.intake_groups`` at
+once (one statement per kind for the whole batch), under one SAVEPOINT; only
+if that fails are the groups taken again one by one, each in its own, so the
+failing one is found and its neighbours still commit. ``ack_outcome``
+bookkeeping rides along as one statement per batch.
+
+Answers go back to the event loop in one ``call_soon_threadsafe`` per loop
+per batch, not one per job: a thread hop costs a wake-up of the loop.
+
+Just over 400 lines on purpose: the writer and its small reader twin share
+the job plumbing (binding, answering on the caller's loop) and are read together.
 """
 
 from __future__ import annotations
@@ -18,26 +33,50 @@ import concurrent.futures
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import structlog
 
 from agent.errors import AgentError, StorageError
+from agent.storage.rows import IntakeItem, IntakeResult
 from agent.storage.store import SqliteStore
 
 T = TypeVar("T")
 P = ParamSpec("P")
 log = structlog.get_logger(__name__)
 
+#: Called on the event loop with a job's result, or None and the error.
+IntakeDone = Callable[[list[IntakeResult] | None, BaseException | None], None]
 
-@dataclass
+
+@dataclass(slots=True, eq=False)
 class _Job:
+    """A store call; answered through ``future`` (any thread) or ``waiter`` on ``loop``."""
+
     fn: Callable[[SqliteStore], Any]
-    future: concurrent.futures.Future[Any]
+    future: concurrent.futures.Future[Any] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    waiter: asyncio.Future[Any] | None = None
+    ok: bool = False
+    value: Any = None
+    answered: bool = False
 
 
+@dataclass(slots=True, eq=False)
+class _IntakeJob:
+    """One intake group (all or none), answered by ``done`` on ``loop``."""
+
+    items: Sequence[IntakeItem]
+    loop: asyncio.AbstractEventLoop
+    done: IntakeDone
+    ok: bool = False
+    value: Any = None
+    answered: bool = False
+
+
+_AnyJob = _Job | _IntakeJob
 _STOP = object()
 
 
@@ -54,16 +93,46 @@ def _bind(
     return job
 
 
+def _one_group(items: Sequence[IntakeItem]) -> Callable[[SqliteStore], list[IntakeResult]]:
+    def run(store: SqliteStore) -> list[IntakeResult]:
+        return store.intake_groups((items,))[0]
+
+    return run
+
+
+def _deliver(jobs: list[_AnyJob]) -> None:
+    """On the event loop: every answer of one batch for this loop."""
+    for job in jobs:
+        try:
+            if isinstance(job, _IntakeJob):
+                if job.ok:
+                    job.done(job.value, None)
+                else:
+                    job.done(None, job.value)
+            else:
+                waiter = job.waiter
+                if waiter is None or waiter.done():
+                    continue  # the caller stopped waiting (cancelled)
+                if job.ok:
+                    waiter.set_result(job.value)
+                else:
+                    waiter.set_exception(job.value)
+        except Exception as exc:  # noqa: BLE001 - one callback's bug must not cost the others their answer
+            if job.loop is not None:
+                job.loop.call_exception_handler({"message": "queue writer answer failed", "exception": exc})
+
+
 class Writer:
     """Runs store operations on one thread, grouping them into shared commits."""
 
     def __init__(self, store: SqliteStore, *, max_batch: int = 512, name: str = "queue-writer") -> None:
         self.store = store
         self.max_batch = max_batch
-        self._jobs: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_AnyJob | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
         self._deferred: list[_Job] = []
+        self._outcomes: list[tuple[str, str]] = []
         self._deferred_lock = threading.Lock()
         self.defer_flush_interval = 0.5
         self.batches = 0
@@ -84,28 +153,49 @@ class Writer:
         if self._closed:
             future.set_exception(StorageError("the queue writer is closed"))
             return future
-        self._jobs.put(_Job(_bind(method, *args, **kwargs), future))
+        self._jobs.put(_Job(_bind(method, *args, **kwargs), future=future))
         return future
+
+    def intake(self, items: Sequence[IntakeItem], done: IntakeDone) -> None:
+        """From the event loop: commit ``items`` as one group (all or none) in the next batch.
+
+        ``done(results, None)`` or ``done(None, error)`` is called on this
+        loop after the batch's COMMIT returned (the hot path: no future, and
+        one loop wake-up for every group of the batch).
+        """
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            loop.call_soon(done, None, StorageError("the queue writer is closed"))
+            return
+        self._jobs.put(_IntakeJob(items, loop, done))
 
     def defer(
         self, method: Callable[Concatenate[SqliteStore, P], object], *args: P.args, **kwargs: P.kwargs
     ) -> None:
         """Thread-safe: run ``fn`` with the next batch, without causing a commit of its own.
 
-        For bookkeeping that may be lost in a crash (``ack_outcome``): it rides
-        along with the next intake or dispatch commit, or is flushed within
+        For bookkeeping that may be lost in a crash: it rides along with the
+        next intake or dispatch commit, or is flushed within
         ``defer_flush_interval`` when the queue is quiet. Giving it a commit of
         its own would cost one fsync per message and slow every sender.
         """
         if self._closed:
             return
         with self._deferred_lock:
-            self._deferred.append(_Job(_bind(method, *args, **kwargs), concurrent.futures.Future()))
+            self._deferred.append(_Job(_bind(method, *args, **kwargs)))
 
-    def _take_deferred(self) -> list[_Job]:
+    def defer_ack_outcome(self, message_id: str, outcome: str) -> None:
+        """Thread-safe: ``SqliteStore.set_ack_outcome`` deferred (see :meth:`defer`), one statement per batch."""
+        if self._closed:
+            return
+        with self._deferred_lock:
+            self._outcomes.append((message_id, outcome))
+
+    def _take_deferred(self) -> tuple[list[_Job], list[tuple[str, str]]]:
         with self._deferred_lock:
             taken, self._deferred = self._deferred, []
-        return taken
+            outcomes, self._outcomes = self._outcomes, []
+        return taken, outcomes
 
     async def call(
         self, method: Callable[Concatenate[SqliteStore, P], T], *args: P.args, **kwargs: P.kwargs
@@ -114,7 +204,15 @@ class Writer:
 
         The form to use: a reader can grep for the store method it runs.
         """
-        return await asyncio.wrap_future(self.submit(method, *args, **kwargs))
+        return await self._await(_bind(method, *args, **kwargs))
+
+    async def _await(self, fn: Callable[[SqliteStore], T]) -> T:
+        if self._closed:
+            raise StorageError("the queue writer is closed")
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[T] = loop.create_future()
+        self._jobs.put(_Job(fn, loop=loop, waiter=waiter))
+        return await waiter
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish every queued job, then stop the thread and close the connection."""
@@ -134,14 +232,14 @@ class Writer:
             try:
                 first = self._jobs.get(timeout=self.defer_flush_interval)
             except queue.Empty:
-                deferred = self._take_deferred()
-                if deferred:
-                    self._run_batch_safely(deferred)
+                deferred, outcomes = self._take_deferred()
+                if deferred or outcomes:
+                    self._run_batch_safely([], deferred, outcomes)
                 continue
-            batch = self._take_deferred()
-            nxt: _Job | object = first
+            batch: list[_AnyJob] = []
+            nxt: _AnyJob | object = first
             while True:
-                if isinstance(nxt, _Job):
+                if isinstance(nxt, _Job | _IntakeJob):
                     batch.append(nxt)
                 else:  # _STOP: finish this batch (deferred jobs included), then end
                     stopping = True
@@ -152,18 +250,20 @@ class Writer:
                     nxt = self._jobs.get_nowait()
                 except queue.Empty:
                     break
-            if batch:
-                self._run_batch_safely(batch)
+            deferred, outcomes = self._take_deferred()
+            if batch or deferred or outcomes:
+                self._run_batch_safely(batch, deferred, outcomes)
 
-    def _run_batch_safely(self, jobs: list[_Job]) -> None:
+    def _run_batch_safely(self, batch: list[_AnyJob], deferred: list[_Job],
+                          outcomes: list[tuple[str, str]]) -> None:
         try:
-            self._run_batch(jobs)
+            self._run_batch(batch, deferred, outcomes)
         except Exception as exc:  # noqa: BLE001 - the thread must outlive any one batch
-            # A caller waiting on a future that is never resolved would
-            # hang its connection for good; fail what is still pending.
-            self._resolve_pending(jobs, StorageError(f"queue writer failed: {exc!r}"))
+            # A caller waiting for an answer that never comes would hang its
+            # connection for good; fail what is still unanswered.
+            self._answer(batch, StorageError(f"queue writer failed: {exc!r}"))
 
-    def _run_batch(self, batch: list[_Job]) -> None:
+    def _run_batch(self, batch: list[_AnyJob], deferred: list[_Job], outcomes: list[tuple[str, str]]) -> None:
         store = self.store
         dialect = store.dialect
         try:
@@ -178,27 +278,25 @@ class Writer:
             return
         # Intake measures free disk space once per batch, not on a timer: a
         # burst cannot outrun the check and eat the reserve dispatch needs.
-        self.store.begin_batch()
+        store.begin_batch()
         changes = dialect.changes(conn)
-        outcomes: list[tuple[bool, Any]] = []
-        for index, job in enumerate(batch):
-            savepoint = f"job{index}"
-            try:
-                dialect.savepoint(conn, savepoint)
-                result = job.fn(store)
-                dialect.release(conn, savepoint)
-                outcomes.append((True, result))
-            except Exception as exc:  # noqa: BLE001 - every job error is reported to its caller
-                dialect.rollback_to(conn, savepoint)
-                if isinstance(exc, dialect.Error):
-                    exc = dialect.storage_error(exc)
-                outcomes.append((False, exc))
-                if isinstance(exc, StorageError) and not dialect.in_transaction(conn):
-                    # The whole transaction is gone (SQLite rolled it back after
-                    # a disk I/O error; the server connection was lost): nothing
-                    # of this batch is committed.
-                    self._fail_all(batch, exc)
-                    return
+        try:
+            if outcomes:
+                # Bookkeeping, validated up front; a failure costs only it.
+                self._in_savepoint(conn, "outcomes", lambda s: s.set_ack_outcomes(outcomes))
+            for later in deferred:
+                self._in_savepoint(conn, "deferred", later.fn)
+            intakes: list[_IntakeJob] = []
+            for index, job in enumerate(batch):
+                if isinstance(job, _IntakeJob):
+                    intakes.append(job)
+                else:
+                    job.ok, job.value = self._in_savepoint(conn, f"job{index}", job.fn)
+            if intakes:
+                self._run_intakes(conn, intakes)
+        except _TransactionLost as lost:
+            self._fail_all(batch, lost.error)
+            return
         try:
             dialect.commit(conn)
         except dialect.Error as exc:
@@ -208,27 +306,77 @@ class Writer:
         self.batches += 1
         if dialect.changes(conn) != changes:
             self.last_write = time.monotonic()
-        for job, (ok, value) in zip(batch, outcomes, strict=True):
-            if job.future.set_running_or_notify_cancel():
-                if ok:
-                    job.future.set_result(value)
-                else:
-                    job.future.set_exception(value)
+        self._answer(batch)
 
-    def _fail_all(self, batch: list[_Job], error: AgentError) -> None:
+    def _in_savepoint(self, conn: Any, name: str,  # noqa: ANN401 - the dialect's connection
+                      fn: Callable[[SqliteStore], Any]) -> tuple[bool, Any]:
+        """``fn(store)`` in a savepoint: (True, result), or (False, error) with its work undone."""
+        store = self.store
+        dialect = store.dialect
+        try:
+            dialect.savepoint(conn, name)
+            result = fn(store)
+            dialect.release(conn, name)
+        except Exception as exc:
+            dialect.rollback_to(conn, name)
+            if isinstance(exc, dialect.Error):
+                exc = dialect.storage_error(exc)
+            if isinstance(exc, StorageError) and not dialect.in_transaction(conn):
+                # The whole transaction is gone (SQLite rolled it back after
+                # a disk I/O error; the server connection was lost): nothing
+                # of this batch is committed.
+                raise _TransactionLost(exc) from exc
+            return False, exc
+        return True, result
+
+    def _run_intakes(self, conn: Any, jobs: list[_IntakeJob]) -> None:  # noqa: ANN401 - the dialect's connection
+        """Every intake group of the batch at once; one by one only if that fails."""
+        groups = [job.items for job in jobs]
+        ok, value = self._in_savepoint(conn, "intake", lambda s: s.intake_groups(groups))
+        if ok:
+            for job, results in zip(jobs, value, strict=True):
+                job.ok, job.value = True, results
+            return
+        for index, job in enumerate(jobs):
+            job.ok, job.value = self._in_savepoint(conn, f"intake{index}", _one_group(job.items))
+
+    def _answer(self, batch: list[_AnyJob], error: AgentError | None = None) -> None:
+        """Answer every job not answered yet (all with ``error`` when given), one hop per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[_AnyJob]] = {}
+        for job in batch:
+            if job.answered:
+                continue
+            job.answered = True
+            if error is not None:
+                job.ok, job.value = False, error
+            if isinstance(job, _Job) and job.future is not None:
+                future = job.future
+                if future.set_running_or_notify_cancel():
+                    if job.ok:
+                        future.set_result(job.value)
+                    else:
+                        future.set_exception(job.value)
+            elif job.loop is not None:
+                by_loop.setdefault(job.loop, []).append(job)
+        for loop, jobs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, jobs)
+            except RuntimeError:
+                pass  # the loop is closed: nobody waits for these any more
+
+    def _fail_all(self, batch: list[_AnyJob], error: AgentError) -> None:
         # Callers first: a failing log stream (EPIPE, full disk) must not
         # leave them waiting.
-        self._resolve_pending(batch, error)
+        self._answer(batch, error)
         log.error("queue_commit_failed", error=str(error), jobs=len(batch))
 
-    @staticmethod
-    def _resolve_pending(batch: list[_Job], error: AgentError) -> None:
-        for job in batch:
-            future = job.future
-            if future.done():
-                continue
-            if future.running() or future.set_running_or_notify_cancel():
-                future.set_exception(error)
+
+class _TransactionLost(Exception):
+    """The database ended the batch's transaction: every job of it fails with ``error``."""
+
+    def __init__(self, error: StorageError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class Reader:

@@ -30,12 +30,19 @@ ON CONFLICT (channel, sending_app, sending_facility, control_id) DO UPDATE SET
 WHERE dedupe_keys.expires_at <= %(now)s
 
 -- name: dedupe_set_app_ack
-UPDATE dedupe_keys SET app_ack = %(app_ack)s WHERE message_id = %(message_id)s
+-- By the key's primary key, read from the row: dedupe_keys has no index on
+-- message_id, and a scan of every key per application ACK grows with the window.
+UPDATE dedupe_keys SET app_ack = %(app_ack)s
+WHERE (channel, sending_app, sending_facility, control_id) =
+      (SELECT channel, sending_app, sending_facility, control_id FROM messages WHERE id = %(message_id)s)
+  AND message_id = %(message_id)s
 
--- name: next_seq
+-- name: next_seqs
 -- Takes the channel's counter row until COMMIT: seq order is commit order.
-INSERT INTO channels (channel, last_seq) VALUES (%(channel)s, 1)
-ON CONFLICT (channel) DO UPDATE SET last_seq = channels.last_seq + 1
+-- Advance the channel's seq by %(n)s (the rows one commit batch queues on it);
+-- they take the seqs up to the returned one.
+INSERT INTO channels (channel, last_seq) VALUES (%(channel)s, %(n)s)
+ON CONFLICT (channel) DO UPDATE SET last_seq = channels.last_seq + excluded.last_seq
 RETURNING last_seq
 
 -- name: insert_message

@@ -25,11 +25,18 @@ ON CONFLICT (channel, sending_app, sending_facility, control_id) DO UPDATE SET
 WHERE dedupe_keys.expires_at <= :now
 
 -- name: dedupe_set_app_ack
-UPDATE dedupe_keys SET app_ack = :app_ack WHERE message_id = :message_id
+-- By the key's primary key, read from the row: dedupe_keys has no index on
+-- message_id, and a scan of every key per application ACK grows with the window.
+UPDATE dedupe_keys SET app_ack = :app_ack
+WHERE (channel, sending_app, sending_facility, control_id) =
+      (SELECT channel, sending_app, sending_facility, control_id FROM messages WHERE id = :message_id)
+  AND message_id = :message_id
 
--- name: next_seq
-INSERT INTO channels (channel, last_seq) VALUES (:channel, 1)
-ON CONFLICT (channel) DO UPDATE SET last_seq = last_seq + 1
+-- name: next_seqs
+-- Advance the channel's seq by :n (the rows one commit batch queues on it);
+-- they take the seqs up to the returned one.
+INSERT INTO channels (channel, last_seq) VALUES (:channel, :n)
+ON CONFLICT (channel) DO UPDATE SET last_seq = channels.last_seq + excluded.last_seq
 RETURNING last_seq
 
 -- name: insert_message
@@ -266,10 +273,12 @@ GROUP BY channel, state
 DELETE FROM dedupe_keys WHERE expires_at <= :now
 
 -- name: purge_terminal_older_than
+-- No ORDER BY: every row older than the cutoff goes, batch after batch; sorting
+-- them all for each batch of :limit cost time in proportion to the table.
 DELETE FROM messages WHERE id IN (
     SELECT id FROM messages
     WHERE state IN ('processed', 'rejected', 'nacked') AND updated_at < :cutoff
-    ORDER BY updated_at LIMIT :limit)
+    LIMIT :limit)
 
 -- name: purge_oldest_terminal
 DELETE FROM messages WHERE id IN (

@@ -548,3 +548,41 @@ class TestProvablyUnsent:
                     assert [t.control_id for t in server.received] == ["U1"]
 
         run(scenario())
+
+
+class TestCommitsPerMessage:
+    def test_a_backlog_is_sent_with_few_commits_per_message(self, tmp_path: Path) -> None:
+        """Dispatch pays one commit per message while a backlog drains.
+
+        The settle of a row carries the next head's claim and inflight mark
+        (three fsyncs per message became one).
+
+        The first transmit is held at the server until 30 rows are queued,
+        then the writer's commit count is compared with the rows delivered.
+        Idle intake, lease renewals every 3 s and the deferred ACK outcomes
+        add a few commits of their own: the bound allows 4.
+        """
+        n = 30
+        gate = asyncio.Event()
+
+        async def decide(t: Transmit) -> Answer:
+            await gate.wait()
+            return default_answer(t)
+
+        async def scenario() -> None:
+            async with dev_server(decide) as server:
+                s = settings_for(tmp_path, url(server), [{"name": "adt"}])
+                async with agent_running(s) as agent:
+                    acks = await send_all(port_of(agent, "adt"), [hl7_message(cid("adt", i)) for i in range(n)])
+                    assert [ack_code(a) for a in acks] == ["AA"] * n
+                    await until(lambda: len(server.received) == 1, 10, "the first transmit")
+                    assert agent.writer is not None
+                    before = agent.writer.batches
+                    gate.set()
+                    await until(lambda: rows(agent, "SELECT count(*) FROM messages WHERE state = 'processed'")
+                                == [(n,)], 20, f"{n} processed")
+                    commits = agent.writer.batches - before
+                    assert [t.control_id for t in first_attempts(server, "adt")] == [cid("adt", i) for i in range(n)]
+                    assert commits <= n + 4, commits
+
+        run(scenario())

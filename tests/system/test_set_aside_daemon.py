@@ -13,6 +13,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -159,7 +160,8 @@ class TestStuckHead:
 class TestRaceWithTheDispatcher:
     def test_a_claim_and_a_set_aside_never_both_win(self, tmp_path: Path) -> None:
         """While the daemon dispatches 300 messages, another process sets aside every even-seq row the
-        moment it becomes the head — the instant the dispatcher claims it too. Each such row is either
+        moment it becomes the lowest queued one — the instant the dispatcher claims it too (with the
+        settle of the row before it, in one commit, while a backlog drains). Each such row is either
         set aside (and never reaches the server) or delivered (and not failed); none is both, none lost."""
         count = 300
         dev = DevServerThread().start()
@@ -179,10 +181,15 @@ class TestRaceWithTheDispatcher:
             deadline = time.monotonic() + 90
             try:
                 while time.monotonic() < deadline:
-                    head = store.channel_head("adt")
-                    if head is None:
+                    if store.channel_head("adt") is None:
                         break
-                    if head.seq % 2 or head.state != "queued" or head.id in outcomes:
+                    # The next row the dispatcher claims: the head, or the one behind an inflight head.
+                    first = conn.execute("SELECT id, seq FROM messages WHERE channel = 'adt' AND state = 'queued' "
+                                         "ORDER BY seq LIMIT 1").fetchone()
+                    if first is None:
+                        continue
+                    head = SimpleNamespace(id=first[0], seq=first[1])
+                    if head.seq % 2 or head.id in outcomes:
                         continue
                     with store.transaction():
                         (o,) = store.set_aside([head.id], time.time(), error_code="set_aside",

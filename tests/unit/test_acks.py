@@ -109,6 +109,7 @@ class TestBuildAckMsh:
         assert len(ids) == 200
         assert all(0 < len(i) <= 20 for i in ids)
         assert "CTRL1" not in ids
+        assert len({i[:10] for i in ids}) == 1  # one random prefix per process, then a counter
 
     def test_timestamp_has_zone(self) -> None:
         """MSH-7 defaults to now with a +/-ZZZZ time zone."""
@@ -116,6 +117,18 @@ class TestBuildAckMsh:
         assert len(ts) == len("20240115083005.1234+0100")
         assert ts[-5] in "+-"
         assert ts[14] == "."
+
+    def test_timestamp_of_now_is_the_clock_in_local_time(self) -> None:
+        """MSH-7 of "now" (formatted once per second, cached) is the wall clock, in its zone."""
+        for _ in range(50):
+            before = datetime.now().astimezone()
+            ts = segments(build_ack(env(V25), AckCode.AA))[0][6]
+            after = datetime.now().astimezone()
+            assert f"{before:%Y%m%d%H%M%S}" <= ts[:14] <= f"{after:%Y%m%d%H%M%S}"
+            assert ts[14] == "." and ts[15:19].isdigit()
+            assert ts[19:] == f"{after:%z}"
+            if ts[:14] == f"{before:%Y%m%d%H%M%S}":
+                assert int(ts[15:19]) >= before.microsecond // 100 - 1
 
     def test_naive_now_is_local(self) -> None:
         """A naive datetime is taken as local time and still gets a zone."""
@@ -504,6 +517,9 @@ class TestAckProperties:
     # Found by this test in CI: "." as the field separator met MSH-7's decimal point.
     @example(payload=b"MSH.!", code=AckCode.AA, text="", codec="", error_code=0)
     @example(payload=b"MSH+^~\\&", code=AckCode.AA, text="", codec="", error_code=0)
+    # Found by this test: MSH-12 "^^^" (components, but no version) was copied, and the ACK did not read back.
+    @example(payload=b"MSH|^~\\&|SAP|KLINIKUM|HL7AGENT|CENTRAL|20240115110000||ADT^A01^ADT_A01|DE-4711|P|^^^\r",
+             code=AckCode.AA, text="", codec="", error_code=0)
     def test_any_inbound_gives_one_clean_readable_ack(
         self, payload: bytes, code: AckCode, text: str, codec: str, error_code: int
     ) -> None:

@@ -189,7 +189,7 @@ class TestOnResponse:
         head = row(state=State.INFLIGHT, attempts=1)
         action = on_response(head, 1, answer(head, 1, 200), policy(on_reject="pause"), NOW)
         assert action == Settle("id-M1", 1, State.PROCESSED, answer(head, 1, 200),
-                                note=Note.of("info", "message_processed", status=200, attempt=1),
+                                note=Note.of("debug", "message_processed", status=200, attempt=1),
                                 stale=Note.of("info", "stale_settle_ignored", attempt=1))
 
     @pytest.mark.parametrize(("on_reject", "pause"), [("continue", None), ("pause", Pause("adt", "rejected row id-M1 (status 400)"))])

@@ -6,7 +6,9 @@ A real SQLite file in ``tmp_path``; each test drives the store through
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -145,3 +147,71 @@ class TestGroupBackpressure:
                 assert s.intake_batch(big[:1])[0].outcome == "accepted"  # alone, one fits
         finally:
             store.close()
+
+
+class TestCommitBatch:
+    """Several groups in one commit batch: the answers of taking them one after another."""
+
+    def test_groups_of_one_run_dedupe_each_other_and_share_the_seq_advance(self, store: SqliteStore) -> None:
+        """A key queued by an earlier group of the run is a duplicate (or a conflict) in a later one."""
+        with store.transaction() as s:
+            old = s.intake(item("OLD"))
+        other = item("A", body=message("A", pid="other"))
+        with store.transaction() as s:
+            out = s.intake_groups([[item("A")], [item("A"), item("B")], [other, item("OLD"), item("C")]])
+        flat = [(r.outcome, r.seq) for group in out for r in group]
+        assert flat == [("accepted", 2), ("duplicate", None), ("accepted", 3),
+                        ("conflict", None), ("duplicate", None), ("accepted", 4)]
+        assert out[1][0].message_id == out[0][0].message_id and out[1][0].commit_ack == b"ACK-FOR-A"
+        assert out[1][0].prior_state == "queued"
+        assert out[2][0].message_id == out[0][0].message_id
+        assert out[2][1].message_id == old.message_id
+        assert rows(store) == [("OLD", "queued", 1), ("A", "queued", 2), ("B", "queued", 3), ("C", "queued", 4)]
+
+    def test_each_channel_takes_its_own_consecutive_seqs(self, store: SqliteStore) -> None:
+        """Interleaved channels in one run: each channel's rows are numbered in arrival order."""
+        with store.transaction() as s:
+            out = s.intake_groups([[item("X1", channel="x")], [item("Y1", channel="y")],
+                                   [item("X2", channel="x"), item("Y2", channel="y")]])
+        assert [r.seq for group in out for r in group] == [1, 1, 2, 2]
+
+    def test_writer_intake_a_bad_group_spares_the_groups_of_its_batch(self, store: SqliteStore) -> None:
+        """The hot path (``Writer.intake``): one batch, one group the schema refuses, the others commit.
+
+        A job holding the writer thread makes sure the three groups land in one batch.
+        """
+        bad = replace(item("W2"), ack_mode="bogus")  # type: ignore[arg-type]  # a value the schema refuses
+        writer = Writer(store)
+        writer.start()
+
+        async def run() -> list[tuple[list[Any] | None, BaseException | None]]:
+            loop = asyncio.get_running_loop()
+            answers: list[asyncio.Future[tuple[list[Any] | None, BaseException | None]]] = []
+            started, gate = threading.Event(), threading.Event()
+
+            def hold(_store: SqliteStore) -> None:
+                started.set()
+                gate.wait(10)
+
+            held = writer.submit(hold)
+            assert await asyncio.to_thread(started.wait, 10)
+            for group in ([item("W1")], [bad, item("W3")], [item("W4"), item("W1")]):
+                answer = loop.create_future()
+                answers.append(answer)
+                writer.intake(group, lambda results, error, answer=answer: answer.set_result((results, error)))
+            batches = writer.batches
+            gate.set()
+            await asyncio.wrap_future(held)
+            got = [await a for a in answers]
+            assert writer.batches == batches + 2  # the held job's commit, then one for the three groups
+            return got
+
+        try:
+            (first, e1), (second, e2), (third, e3) = asyncio.run(run())
+        finally:
+            writer.close()
+        assert e1 is None and first is not None and first[0].outcome == "accepted"
+        assert isinstance(e2, StorageError) and second is None
+        assert e3 is None and third is not None
+        assert [r.outcome for r in third] == ["accepted", "duplicate"]
+        assert rows(store) == [("W1", "queued", 1), ("W4", "queued", 2)]
