@@ -17,14 +17,14 @@ Two implementations: :class:`agent.storage.sqlite.SqliteDialect` and
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
 from agent.errors import StorageError
 
-__all__ = ["Dialect", "Failure"]
+__all__ = ["Dialect", "Failure", "TransactionBlocks"]
 
 
 class Failure(enum.Enum):
@@ -35,6 +35,62 @@ class Failure(enum.Enum):
     READ_ONLY = "read_only"  # a read-only file, or a database that takes no writes (a standby)
     CONNECTION_LOST = "connection_lost"  # I/O error, file gone, server gone or restarted
     OTHER = "other"
+
+
+class TransactionBlocks:
+    """``write_transaction`` and ``nested`` from a dialect's own primitives: one definition for both.
+
+    A dialect supplies ``begin_write``, ``commit``, ``rollback``, ``savepoint``,
+    ``release`` and ``rollback_to``; how a block begins and ends is the same on
+    every backend.
+    """
+
+    def begin_write(self, conn: Any) -> None:  # noqa: ANN401 - the driver's connection
+        raise NotImplementedError
+
+    def commit(self, conn: Any) -> None:  # noqa: ANN401
+        raise NotImplementedError
+
+    def rollback(self, conn: Any) -> None:  # noqa: ANN401
+        raise NotImplementedError
+
+    def savepoint(self, conn: Any, name: str) -> None:  # noqa: ANN401
+        raise NotImplementedError
+
+    def release(self, conn: Any, name: str) -> None:  # noqa: ANN401
+        raise NotImplementedError
+
+    def rollback_to(self, conn: Any, name: str) -> None:  # noqa: ANN401
+        raise NotImplementedError
+
+    @contextmanager
+    def write_transaction(self, conn: Any) -> Iterator[None]:  # noqa: ANN401
+        """One write transaction: begin, commit, or roll back on any exception.
+
+        Driver errors come out as they are; the caller classifies them.
+        """
+        self.begin_write(conn)
+        try:
+            yield
+        except BaseException:
+            self.rollback(conn)
+            raise
+        try:
+            self.commit(conn)
+        except BaseException:
+            self.rollback(conn)
+            raise
+
+    @contextmanager
+    def nested(self, conn: Any, name: str) -> Iterator[None]:  # noqa: ANN401
+        """A savepoint: all of the block or none of it, inside the caller's transaction."""
+        self.savepoint(conn, name)
+        try:
+            yield
+        except BaseException:
+            self.rollback_to(conn, name)
+            raise
+        self.release(conn, name)
 
 
 class Dialect(Protocol):

@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +52,7 @@ from agent.core.retry import backoff
 from agent.errors import DatabaseLocked, IncompatibleDatabase, StorageError
 from agent.storage import schema
 from agent.storage.conninfo import mask_dsn
-from agent.storage.dialect import Failure
+from agent.storage.dialect import Failure, TransactionBlocks
 from agent.storage.sql import POSTGRESQL, load_migrations, load_queries
 
 __all__ = [
@@ -130,7 +129,7 @@ def _one_line(exc: BaseException) -> str:
     return re.sub(r"\s+", " ", str(exc)).strip()
 
 
-class PostgresDialect:
+class PostgresDialect(TransactionBlocks):
     """What is PostgreSQL-specific about running the queue (see the module docstring).
 
     One instance per connection (the writer's, the reader's, an operator
@@ -278,32 +277,6 @@ class PostgresDialect:
             conn.execute(f"RELEASE SAVEPOINT {name}")
         except psycopg.Error:
             pass
-
-    @contextmanager
-    def write_transaction(self, conn: PgConnection) -> Iterator[None]:
-        """One write transaction: begin (with the lock), commit, or roll back on any exception."""
-        self.begin_write(conn)
-        try:
-            yield
-        except BaseException:
-            self.rollback(conn)
-            raise
-        try:
-            self.commit(conn)
-        except BaseException:
-            self.rollback(conn)
-            raise
-
-    @contextmanager
-    def nested(self, conn: PgConnection, name: str) -> Iterator[None]:
-        """A savepoint: all of the block or none of it, inside the caller's transaction."""
-        self.savepoint(conn, name)
-        try:
-            yield
-        except BaseException:
-            self.rollback_to(conn, name)
-            raise
-        self.release(conn, name)
 
     def read_only(self, conn: PgConnection) -> None:
         """Make ``conn`` refuse every write, even one a bug would issue (kept across reconnects)."""

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent.errors import DatabaseLocked, IncompatibleDatabase, StorageError
 from agent.storage import schema
-from agent.storage.dialect import Failure
+from agent.storage.dialect import Failure, TransactionBlocks
 from agent.storage.sql import SQLITE, load_migrations, load_queries
 
 __all__ = [
@@ -83,7 +82,7 @@ _FAILURES = {
 }
 
 
-class SqliteDialect:
+class SqliteDialect(TransactionBlocks):
     """What is SQLite-specific about running the queue (see the module docstring)."""
 
     name = SQLITE
@@ -123,35 +122,6 @@ class SqliteDialect:
             conn.execute(f"RELEASE {name}")
         except sqlite3.Error:
             pass
-
-    @contextmanager
-    def write_transaction(self, conn: sqlite3.Connection) -> Iterator[None]:
-        """One write transaction: begin, commit, or roll back on any exception.
-
-        Driver errors come out as they are; the caller classifies them.
-        """
-        self.begin_write(conn)
-        try:
-            yield
-        except BaseException:
-            self.rollback(conn)
-            raise
-        try:
-            self.commit(conn)
-        except BaseException:
-            self.rollback(conn)
-            raise
-
-    @contextmanager
-    def nested(self, conn: sqlite3.Connection, name: str) -> Iterator[None]:
-        """A savepoint: all of the block or none of it, inside the caller's transaction."""
-        self.savepoint(conn, name)
-        try:
-            yield
-        except BaseException:
-            self.rollback_to(conn, name)
-            raise
-        self.release(conn, name)
 
     def read_only(self, conn: sqlite3.Connection) -> None:
         """Make ``conn`` refuse every write, even one a bug would issue."""
