@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from agent.core.intake_types import ChannelPolicy
     from agent.runtime.mllp_server import IntakeContext
 
-__all__ = ["SYSTEM_CLOCK", "Connection", "ConnectionOwner", "audit_item", "intake_item", "source_address"]
+__all__ = ["SYSTEM_CLOCK", "Connection", "ConnectionOwner", "ConnectionSet", "audit_item", "intake_item", "source_address"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -140,6 +140,59 @@ class ConnectionOwner(Protocol):
     def admit(self, conn: Connection, peer: Any) -> bool: ...  # noqa: ANN401 - a socket address
     def opened(self, conn: Connection) -> None: ...
     def finished(self, conn: Connection) -> None: ...
+
+
+class ConnectionSet:
+    """The open connections of one channel's owner (a listener or an outbound channel).
+
+    Counts them in the metrics and tells when the last one has finished; asks
+    them all to close, abort, or answer their held application ACKs. The
+    owner sets ``channel`` and ``ctx`` and calls ``_track_connections()``.
+    """
+
+    channel: ChannelSettings
+    ctx: IntakeContext
+
+    def _track_connections(self) -> None:
+        self.connections: set[Connection] = set()
+        self._no_connections = asyncio.Event()
+        self._no_connections.set()
+
+    def opened(self, conn: Connection) -> None:
+        self.connections.add(conn)
+        self._no_connections.clear()
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.connection_opened(self.channel.name)
+
+    def finished(self, conn: Connection) -> None:
+        self.connections.discard(conn)
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.connection_closed(self.channel.name)
+        if not self.connections:
+            self._no_connections.set()
+
+    def close_connections(self) -> None:
+        """Ask every connection to close after the message it is reading (docs/deploy.md)."""
+        for conn in list(self.connections):
+            conn.request_close()
+
+    async def wait_connections_closed(self) -> None:
+        """Until every connection has finished."""
+        await self._no_connections.wait()
+
+    def abort_connections(self) -> None:
+        for conn in list(self.connections):
+            conn.abort()
+
+    def release_held_acks(self) -> None:
+        """Stop waiting for the server: each held application ACK is answered AR "resend later" now.
+
+        For a stop that found no successor to take the connections (a plain
+        stop, a TLS channel, a successor of the previous version): each sender
+        hears "resend later" before its connection closes, never silence.
+        """
+        for conn in list(self.connections):
+            conn.release_held()
 
 
 class Connection(asyncio.Protocol):

@@ -23,7 +23,7 @@ import structlog
 from agent.core.addresses import format_peer
 from agent.core.intake import MAX_PIPELINED_FRAMES
 from agent.core.intake_types import NOTHING_OWED, ChannelPolicy, Owed
-from agent.runtime.mllp_connection import Connection, source_address
+from agent.runtime.mllp_connection import Connection, ConnectionSet, source_address
 from agent.runtime.relay import AckRelay
 from agent.runtime.sockets import guard_listener
 from agent.runtime.tls import HandshakeFailures, TlsAccept
@@ -85,7 +85,7 @@ def build_server_ssl(channel: ChannelSettings) -> ssl.SSLContext | None:
     return ctx
 
 
-class ChannelListener:
+class ChannelListener(ConnectionSet):
     """Accepts senders for one channel on a listening socket it may share with a peer process."""
 
     def __init__(self, channel: ChannelSettings, sock: socket.socket, ctx: IntakeContext) -> None:
@@ -93,9 +93,7 @@ class ChannelListener:
         self.sock = sock
         self.ctx = ctx
         self.policy = channel_policy(channel, ctx.application_ack_timeout)
-        self.connections: set[Connection] = set()
-        self._no_connections = asyncio.Event()
-        self._no_connections.set()
+        self._track_connections()
         self._server: asyncio.Server | None = None
         self._allowed = [ipaddress.ip_network(c, strict=False) for c in channel.allowed_sources]
         #: source -> (when a refusal was last logged, refusals since then)
@@ -157,29 +155,12 @@ class ChannelListener:
             self._server.close()
 
     def close_connections(self) -> None:
-        """Ask every connection to close after the message it is reading (docs/deploy.md)."""
         self._drop_handshakes()
-        for conn in list(self.connections):
-            conn.request_close()
-
-    async def wait_connections_closed(self) -> None:
-        """Until every connection of this listener has finished."""
-        await self._no_connections.wait()
+        super().close_connections()
 
     def abort_connections(self) -> None:
         self._drop_handshakes()
-        for conn in list(self.connections):
-            conn.abort()
-
-    def release_held_acks(self) -> None:
-        """Stop waiting for the server: each held application ACK is answered AR "resend later" now.
-
-        For a stop that found no successor to take the connections (a plain
-        stop, a TLS channel, a successor of the previous version): each sender
-        hears "resend later" before its connection closes, never silence.
-        """
-        for conn in list(self.connections):
-            conn.release_held()
+        super().abort_connections()
 
     async def adopt(self, sock: socket.socket, remote: str, buffered: bytes, owed: Owed = NOTHING_OWED) -> bool:
         """Serve a connection a predecessor handed over mid-stream (zero-downtime upgrade).
@@ -280,15 +261,3 @@ class ChannelListener:
 
     # -- the connections' lifetime ----------------------------------------------
 
-    def opened(self, conn: Connection) -> None:
-        self.connections.add(conn)
-        self._no_connections.clear()
-        if self.ctx.metrics is not None:
-            self.ctx.metrics.connection_opened(self.channel.name)
-
-    def finished(self, conn: Connection) -> None:
-        self.connections.discard(conn)
-        if self.ctx.metrics is not None:
-            self.ctx.metrics.connection_closed(self.channel.name)
-        if not self.connections:
-            self._no_connections.set()

@@ -33,7 +33,7 @@ import structlog
 from agent.core import retry
 from agent.core.intake_types import ChannelPolicy
 from agent.core.timefmt import rfc3339
-from agent.runtime.mllp_connection import Connection
+from agent.runtime.mllp_connection import Connection, ConnectionSet
 from agent.runtime.mllp_server import IntakeContext, channel_policy
 from agent.storage.store import SqliteStore
 
@@ -85,7 +85,7 @@ def describe(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-class OutboundChannel:
+class OutboundChannel(ConnectionSet):
     """One channel that dials its sender and keeps the connection (see the module docstring)."""
 
     can_hand_over = False  # TLS state cannot move, and the successor dials its own connection
@@ -95,11 +95,9 @@ class OutboundChannel:
         self.channel = channel
         self.ctx = ctx
         self.policy: ChannelPolicy = channel_policy(channel, ctx.application_ack_timeout)
-        self.connections: set[Connection] = set()
+        self._track_connections()
         self.log = log.bind(channel=channel.name, connect=channel.connect)
         self._ssl = build_client_ssl(channel)
-        self._no_connections = asyncio.Event()
-        self._no_connections.set()
         self._gone = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -126,23 +124,11 @@ class OutboundChannel:
             self._task.cancel()
         self._set_state("stopped")
 
-    def close_connections(self) -> None:
-        for conn in list(self.connections):
-            conn.request_close()
-
     async def wait_connections_closed(self) -> None:
-        await self._no_connections.wait()
+        await super().wait_connections_closed()
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-
-    def release_held_acks(self) -> None:
-        for conn in list(self.connections):
-            conn.release_held()
-
-    def abort_connections(self) -> None:
-        for conn in list(self.connections):
-            conn.abort()
 
     def status(self) -> dict[str, Any]:
         """For the status page, ``/status.json`` and ``queue stats``-style views."""
@@ -161,18 +147,8 @@ class OutboundChannel:
     def admit(self, conn: Connection, peer: Any) -> bool:  # noqa: ANN401 - a socket address
         return not self._stopping
 
-    def opened(self, conn: Connection) -> None:
-        self.connections.add(conn)
-        self._no_connections.clear()
-        if self.ctx.metrics is not None:
-            self.ctx.metrics.connection_opened(self.channel.name)
-
     def finished(self, conn: Connection) -> None:
-        self.connections.discard(conn)
-        if self.ctx.metrics is not None:
-            self.ctx.metrics.connection_closed(self.channel.name)
-        if not self.connections:
-            self._no_connections.set()
+        super().finished(conn)
         self._gone.set()
 
     # -- the dialling loop ---------------------------------------------------------
