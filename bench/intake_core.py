@@ -1,6 +1,6 @@
 """The event loop's CPU per accepted message at intake, without sockets or a database.
 
-    .venv/bin/python bench/intake_core.py [--messages 20000] [--connections 16] [--repeat 5]
+    .venv/bin/python bench/intake_core.py [--messages 20000] [--connections 16] [--repeat 5] [--tree=DIR]
 
 Drives the real connection shell (``agent.runtime.mllp_connection.Connection``
 over ``agent.core.intake.IntakeConnection``, real ``AgentMetrics``, structlog
@@ -17,6 +17,8 @@ step: one frame from each, then every commit answered, like a group commit).
 
 Prints CPU microseconds per message (``time.process_time``), best and median
 of ``--repeat`` runs; best is the figure to compare, the machine being shared.
+``--tree=/tmp/old`` imports the agent of another checkout instead (a
+``git worktree add --detach /tmp/old <commit>``): old and new side by side.
 For instruction counts: ``valgrind --tool=callgrind .venv/bin/python
 bench/intake_core.py --messages 2000 --repeat 1``.
 """
@@ -33,7 +35,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# ``--tree DIR``: measure another checkout's agent (an A/B without a second copy of this file).
+_TREE = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--tree=")), None)
+sys.path.insert(0, _TREE or str(Path(__file__).resolve().parent.parent))
 
 from agent.app.config import ChannelSettings  # noqa: E402
 from agent.runtime.logs import configure_logging  # noqa: E402
@@ -164,10 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--tree", metavar="DIR", help="another checkout's agent (write --tree=DIR)")
     args = parser.parse_args(argv)
     configure_logging("info", "json", stream=io.StringIO())
     runs = [asyncio.run(_run(args.messages, args.connections)) * 1e6 for _ in range(args.repeat)]
-    print(f"intake core + shell, {args.connections} connection(s), {args.messages} messages x {args.repeat}: "
+    import agent  # noqa: PLC0415 - which tree was measured
+
+    print(f"{Path(agent.__file__).parent.parent}: {args.connections} connection(s), "
+          f"{args.messages} messages x {args.repeat}: "
           f"CPU per message best {min(runs):.1f} us, median {statistics.median(runs):.1f} us "
           f"(runs: {', '.join(f'{r:.1f}' for r in runs)})")
     return 0

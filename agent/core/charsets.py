@@ -125,12 +125,31 @@ def _quoted(name: str) -> str:
     return repr(name[:40] + ("..." if len(name) > 40 else ""))
 
 
+#: text_codec's answers by name: every message and every ACK asks it, with the
+#: few names a site's senders use. Bounded in count and name length (the
+#: name comes from the sender's MSH-18): a flood of odd names is answered
+#: uncached, as before.
+_TEXT_CODEC_CACHE: dict[str, str | None] = {}
+_TEXT_CODEC_CACHE_SIZE = 256
+
+
 def text_codec(name: str) -> str | None:
     """The canonical Python codec of a table 0211 name or a Python name of one, else None.
 
     None for UTF-16/32 (forbidden with MLLP), for transforms and for anything
     that is no character set. Never raises.
     """
+    try:
+        return _TEXT_CODEC_CACHE[name]
+    except KeyError:
+        pass
+    codec = _text_codec(name)
+    if len(name) <= 64 and len(_TEXT_CODEC_CACHE) < _TEXT_CODEC_CACHE_SIZE:
+        _TEXT_CODEC_CACHE[name] = codec
+    return codec
+
+
+def _text_codec(name: str) -> str | None:
     stripped = name.strip()
     if not _NAME.fullmatch(stripped):
         return None
