@@ -356,43 +356,54 @@ class Connection(asyncio.Protocol):
         self._run()
 
     def _apply(self, action: Action) -> None:
+        # One dict lookup by the action's type (an isinstance chain cost up to
+        # a dozen checks per action, several actions per message).
+        _APPLY[type(action)](self, action)
+
+    def _send(self, action: Send) -> None:
         transport = self._transport
         assert transport is not None
-        if isinstance(action, Send):
-            ok = not transport.is_closing()
-            if ok:
-                transport.write(action.frame)
-            self.core.written(action, ok)
-        elif isinstance(action, Commit):
-            self._commit(action)
-        elif isinstance(action, Log):
-            getattr(self.log, action.level)(action.event, **action.fields)
-        elif isinstance(action, Count):
-            self._count(action)
-        elif isinstance(action, RecordOutcome):
-            # Bookkeeping that may be lost in a crash: rides along with the next commit.
-            self.ctx.writer.defer_ack_outcome(action.message_id, action.outcome)
-        elif isinstance(action, Audit):
-            self._audit(action.record)
-        elif isinstance(action, Committed):
-            if self.ctx.on_committed is not None:
-                self.ctx.on_committed(self.channel.name)
-        elif isinstance(action, AwaitApplicationAck):
-            self._await_ack(action)
-        elif isinstance(action, StopWaiting):
-            task = self._waits.pop(action.token, None)
-            if task is not None:
-                task.cancel()
-        elif isinstance(action, HandOver):
-            self._spawn(self._hand_over(action), "handover")
-        elif isinstance(action, HalfClose):
-            with contextlib.suppress(OSError, RuntimeError):
-                if transport.can_write_eof():
-                    transport.write_eof()
-        elif isinstance(action, Close):
-            transport.close()
-        elif isinstance(action, Abort):
-            transport.abort()
+        ok = not transport.is_closing()
+        if ok:
+            transport.write(action.frame)
+        self.core.written(action, ok)
+
+    def _log(self, action: Log) -> None:
+        getattr(self.log, action.level)(action.event, **action.fields)
+
+    def _record_outcome(self, action: RecordOutcome) -> None:
+        # Bookkeeping that may be lost in a crash: rides along with the next commit.
+        self.ctx.writer.defer_ack_outcome(action.message_id, action.outcome)
+
+    def _audit_action(self, action: Audit) -> None:
+        self._audit(action.record)
+
+    def _committed(self, action: Committed) -> None:
+        if self.ctx.on_committed is not None:
+            self.ctx.on_committed(self.channel.name)
+
+    def _stop_waiting(self, action: StopWaiting) -> None:
+        task = self._waits.pop(action.token, None)
+        if task is not None:
+            task.cancel()
+
+    def _hand_over_action(self, action: HandOver) -> None:
+        self._spawn(self._hand_over(action), "handover")
+
+    def _half_close(self, action: HalfClose) -> None:
+        transport = self._transport
+        assert transport is not None
+        with contextlib.suppress(OSError, RuntimeError):
+            if transport.can_write_eof():
+                transport.write_eof()
+
+    def _close(self, action: Close) -> None:
+        assert self._transport is not None
+        self._transport.close()
+
+    def _abort(self, action: Abort) -> None:
+        assert self._transport is not None
+        self._transport.abort()
 
     def _commit(self, action: Commit) -> None:
         # One frame, one row; an HL7 batch frame commits its members together as one
@@ -497,3 +508,21 @@ class Connection(asyncio.Protocol):
                 task.cancel()
             self.log.info("connection_closed")
             self.listener.finished(self)
+
+
+#: How the shell applies each kind of action the core hands back.
+_APPLY: dict[type, Callable[[Connection, Any], None]] = {
+    Send: Connection._send,
+    Commit: Connection._commit,
+    Count: Connection._count,
+    Committed: Connection._committed,
+    RecordOutcome: Connection._record_outcome,
+    Log: Connection._log,
+    Audit: Connection._audit_action,
+    AwaitApplicationAck: Connection._await_ack,
+    StopWaiting: Connection._stop_waiting,
+    HandOver: Connection._hand_over_action,
+    HalfClose: Connection._half_close,
+    Close: Connection._close,
+    Abort: Connection._abort,
+}
