@@ -25,7 +25,9 @@ from agent.core import acks, charsets, envelope
 from agent.core.acks import AckCode, Outcome
 from agent.core.envelope import Envelope, MalformedMsh, NoMshSegment
 from agent.core.intake_types import (
+    COMMITTED,
     NO_REPLY,
+    RECEIVED,
     AckMode,
     Audit,
     AuditRecord,
@@ -94,7 +96,7 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float, *, a
             return refuse(exc.partial, payload, Outcome.MALFORMED, exc.error_code, exc.text, received_at,
                           codec=codec_or_default(exc.partial, policy), ack_always=ack_always)
         env = exc.partial  # an inbound ACK is never answered, even a sloppy one
-    received = Count(Counter.MESSAGE_RECEIVED)
+    received = RECEIVED
     if env.is_ack:
         # A sender acknowledging what we relayed: recorded, never queued or answered.
         record = AuditRecord(payload, "0", "inbound ACK recorded", env, received_at=received_at)
@@ -237,7 +239,7 @@ def replies_for(message: NewMessage, result: CommitResult, policy: ChannelPolicy
     if result.outcome == "accepted":
         # Debug, not info: a line per message cost a fifth of intake's CPU (bench/README.md).
         first: tuple[Effect, ...] = (Log("debug", "message_committed", {**ids, "seq": result.seq}),
-                                     Count(Counter.MESSAGE_COMMITTED), Committed(result.message_id))
+                                     COMMITTED, Committed(result.message_id))
         return final_acks(env, message.codec, result.message_id, message.ack_mode, policy,
                           commit_ack=message.commit_ack, app_ack=None, first=first)
     # A retransmit: the final ACK replayed byte for byte (docs/acks.md#retransmits-and-dedupe).
