@@ -457,8 +457,12 @@ class IntakeConnection:
                 self._resume_at = self.clock.monotonic() + JUNK_READ_PAUSE
                 return
             feed = False
-            chunk = bytes(self._unread[:FEED_CHUNK])
-            del self._unread[:FEED_CHUNK]
+            if len(self._unread) <= FEED_CHUNK:  # the common case: all of it, one copy
+                chunk = bytes(self._unread)
+                self._unread.clear()
+            else:
+                chunk = bytes(self._unread[:FEED_CHUNK])
+                del self._unread[:FEED_CHUNK]
             was_mid_frame = self._decoder.mid_frame
             events = self._decoder.feed(chunk)
             self._time_frame(was_mid_frame, events)

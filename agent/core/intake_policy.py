@@ -108,16 +108,18 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float, *, a
     except HL7Error as exc:
         return refuse(env, payload, Outcome.MALFORMED, exc.error_code, exc.text, received_at,
                       first=(received,), ack_always=ack_always)
-    refused = unsupported_reason(env, message_types=policy.accept_message_types,
-                                 processing_ids=policy.accept_processing_ids,
-                                 versions=policy.accept_versions)
-    if refused is not None:
-        return refuse(env, payload, Outcome.UNSUPPORTED, refused[0], refused[1], received_at, codec=codec,
-                      first=(received,), ack_always=ack_always)
-    ack_mode: AckMode = "enhanced" if env.enhanced else policy.ack
+    if policy.accept_message_types or policy.accept_processing_ids or policy.accept_versions:
+        refused = unsupported_reason(env, message_types=policy.accept_message_types,
+                                     processing_ids=policy.accept_processing_ids,
+                                     versions=policy.accept_versions)
+        if refused is not None:
+            return refuse(env, payload, Outcome.UNSUPPORTED, refused[0], refused[1], received_at, codec=codec,
+                          first=(received,), ack_always=ack_always)
+    enhanced = env.enhanced
+    ack_mode: AckMode = "enhanced" if enhanced else policy.ack
     commit_ack = None
     if ack_always or (ack_mode != "application" and acks.commit_ack_wanted(env, success=True)):
-        commit_ack = acks.build_ack(env, acks.ack_code(Outcome.COMMITTED, env.enhanced), codec=codec)
+        commit_ack = acks.build_ack(env, acks.ack_code(Outcome.COMMITTED, enhanced), codec=codec)
     return Decision((received,), commit=NewMessage(env, payload, codec, text, ack_mode, commit_ack, received_at))
 
 
@@ -225,6 +227,14 @@ def replies_for(message: NewMessage, result: CommitResult, policy: ChannelPolicy
                 ack_always: bool = False) -> Decision:
     """The store's answer for ``message``: the ACKs it is owed, or why it was not accepted."""
     env = message.envelope
+    if result.outcome == "accepted":
+        # Debug, not info: a line per message cost a fifth of intake's CPU (bench/README.md).
+        first: tuple[Effect, ...] = (
+            Log("debug", "message_committed", {"control_id": env.control_id, "message_type": env.message_type,
+                                               "id": result.message_id, "seq": result.seq}),
+            COMMITTED, Committed(result.message_id))
+        return final_acks(env, message.codec, result.message_id, message.ack_mode, policy,
+                          commit_ack=message.commit_ack, app_ack=None, first=first)
     ids = {"control_id": env.control_id, "message_type": env.message_type, "id": result.message_id}
     if result.outcome == "backpressure":
         return refuse(env, message.body, Outcome.RESEND_LATER, 207, "queue full: message not accepted, resend later",
@@ -236,12 +246,6 @@ def replies_for(message: NewMessage, result: CommitResult, policy: ChannelPolicy
                       message.received_at, codec=message.codec,
                       first=(Log("warning", "control_id_reused_with_other_body",
                                  {**ids, "prior_id": result.message_id}),), ack_always=ack_always)
-    if result.outcome == "accepted":
-        # Debug, not info: a line per message cost a fifth of intake's CPU (bench/README.md).
-        first: tuple[Effect, ...] = (Log("debug", "message_committed", {**ids, "seq": result.seq}),
-                                     COMMITTED, Committed(result.message_id))
-        return final_acks(env, message.codec, result.message_id, message.ack_mode, policy,
-                          commit_ack=message.commit_ack, app_ack=None, first=first)
     # A retransmit: the final ACK replayed byte for byte (docs/acks.md#retransmits-and-dedupe).
     replayed = Log("info", "retransmit_answered_from_dedupe", {**ids, "prior_state": result.prior_state})
     return final_acks(env, message.codec, result.message_id, result.ack_mode, policy,
@@ -260,11 +264,11 @@ def final_acks(
     first: tuple[Effect, ...] = (),
 ) -> Decision:
     """What a committed row's sender gets, per mode (docs/acks.md#original-and-enhanced-mode)."""
-    effects = list(first)
     if ack_mode == "commit":
         if commit_ack is None:
-            return Decision((*effects, RecordOutcome(message_id, AckOutcome.NOT_OWED)))
-        return Decision(tuple(effects), OwedReply((OwedFrame(commit_ack, message_id),)))
+            return Decision((*first, RecordOutcome(message_id, AckOutcome.NOT_OWED)))
+        return Decision(first, OwedReply((OwedFrame(commit_ack, message_id),)))
+    effects = list(first)
     if ack_mode == "enhanced":
         # MSH-15 governed the commit ACK (built before the commit); MSH-16 governs the application ACK.
         frames = [] if commit_ack is None else [OwedFrame(commit_ack)]
