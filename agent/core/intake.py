@@ -495,7 +495,9 @@ class IntakeConnection:
         self._slots.append(slot)
         payload = event.payload if isinstance(event, mllp.Frame) else event.prefix
         try:
-            batch = batch_.split_batch(payload) if isinstance(event, mllp.Frame) else None
+            # A frame that starts "MSH" is no batch (FHS/BHS, after blank lines or a BOM): no scan.
+            batch = (batch_.split_batch(payload) if isinstance(event, mllp.Frame) and payload[:3] != b"MSH"
+                     else None)
             if batch is not None:
                 decision = intake_batch.decide_batch(payload, batch, self.policy, received_at)
             elif isinstance(event, mllp.Frame):
