@@ -191,6 +191,39 @@ def _families(data: Mapping[str, Any] | None = None) -> Iterator[GaugeMetricFami
     yield from (depth, messages, oldest, paused, blocked, blocked_age, db_size, wal_size)
 
 
+class _Tally:
+    """A labelled counter kept as plain numbers and exported at scrape time, like a prometheus ``Counter``.
+
+    For the counters intake moves once or twice per message: a ``Counter``
+    child's ``inc()`` checks and locks through four Python calls; here an
+    increment is one dictionary update under a lock. The exposition is the
+    same (``<name>_total`` per label set, no ``_created``).
+    """
+
+    def __init__(self, name: str, documentation: str, labelnames: list[str], *, registry: CollectorRegistry) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = labelnames
+        self._values: dict[tuple[str, ...], float] = {}
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def inc(self, labels: tuple[str, ...]) -> None:
+        with self._lock:
+            self._values[labels] = self._values.get(labels, 0.0) + 1.0
+
+    def describe(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        with self._lock:
+            values = list(self._values.items())
+        for labels, value in values:
+            family.add_metric(list(labels), value)
+        yield family
+
+
 M = TypeVar("M", Counter, Gauge)
 
 
@@ -214,19 +247,19 @@ class AgentMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self._received = Counter(
+        self._received = _Tally(
             "hl7_agent_messages_received",
             "Frames with a readable MSH that arrived.",
             ["channel"],
             registry=r,
         )
-        self._committed = Counter(
+        self._committed = _Tally(
             "hl7_agent_messages_committed",
             "Messages committed to the queue and answered with an accept ACK.",
             ["channel"],
             registry=r,
         )
-        self._rejected = Counter(
+        self._rejected = _Tally(
             "hl7_agent_messages_rejected",
             "Non-accept ACKs sent at intake, by MSA-1 code (AE/AR/CE/CR).",
             ["channel", "code"],
@@ -287,10 +320,7 @@ class AgentMetrics:
             ["channel"],
             registry=r,
         )
-        # Intake's counters move once or twice per message: their children by label.
-        self._received_by = _Labelled(self._received)
-        self._committed_by = _Labelled(self._committed)
-        self._rejected_by = _Labelled(self._rejected)
+        # Intake's connection gauge and audit counter: their children by label.
         self._connections_by = _Labelled(self._connections)
         self._audit_not_stored_by = _Labelled(self._audit_not_stored)
         self._outbound_connected = Gauge(
@@ -331,16 +361,16 @@ class AgentMetrics:
 
     def message_received(self, channel: str) -> None:
         """A frame with an MSH arrived on ``channel``."""
-        self._received_by(channel).inc()
+        self._received.inc((channel,))
 
     def message_committed(self, channel: str) -> None:
         """A row was committed and its accept ACK sent."""
-        self._committed_by(channel).inc()
+        self._committed.inc((channel,))
         self.history.count_in()
 
     def message_rejected(self, channel: str, code: str) -> None:
         """A non-accept ACK was sent at intake (``code`` is MSA-1: AE/AR/CE/CR)."""
-        self._rejected_by(channel, code).inc()
+        self._rejected.inc((channel, code))
 
     def message_settled(self, channel: str, state: str) -> None:
         """A row reached ``processed``/``rejected``/``failed`` from upstream's answer."""
