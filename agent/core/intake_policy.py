@@ -108,13 +108,12 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float, *, a
     except HL7Error as exc:
         return refuse(env, payload, Outcome.MALFORMED, exc.error_code, exc.text, received_at,
                       first=(received,), ack_always=ack_always)
-    if policy.accept_message_types or policy.accept_processing_ids or policy.accept_versions:
-        refused = unsupported_reason(env, message_types=policy.accept_message_types,
-                                     processing_ids=policy.accept_processing_ids,
-                                     versions=policy.accept_versions)
-        if refused is not None:
-            return refuse(env, payload, Outcome.UNSUPPORTED, refused[0], refused[1], received_at, codec=codec,
-                          first=(received,), ack_always=ack_always)
+    refused = unsupported_reason(env, message_types=policy.accept_message_types,
+                                 processing_ids=policy.accept_processing_ids,
+                                 versions=policy.accept_versions)
+    if refused is not None:
+        return refuse(env, payload, Outcome.UNSUPPORTED, refused[0], refused[1], received_at, codec=codec,
+                      first=(received,), ack_always=ack_always)
     enhanced = env.enhanced
     ack_mode: AckMode = "enhanced" if enhanced else policy.ack
     commit_ack = None
@@ -152,9 +151,9 @@ def unsupported_reason(
     ``message_types`` entries are "ADT" (every event) or "ADT^A01"; a version
     "2.5" also admits "2.5.1". Empty lists restrict nothing.
     """
-    code = env.message_code.upper()
-    event = env.trigger_event.upper()
     if message_types:
+        code = env.message_code.upper()
+        event = env.trigger_event.upper()
         codes = {t.split("^", 1)[0] for t in message_types}
         if code not in codes:
             return 200, f"message type {code} is not accepted on this channel"

@@ -21,6 +21,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import ipaddress
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -136,6 +137,12 @@ def audit_item(channel: str, remote: str, record: AuditRecord) -> AuditItem:
     )
 
 
+def _debug_enabled(logger: Any) -> bool:  # noqa: ANN401 - a structlog bound logger
+    """Whether ``logger`` writes debug lines (a logger that cannot say is asked every time)."""
+    enabled = getattr(logger, "is_enabled_for", None)
+    return True if enabled is None else bool(enabled(logging.DEBUG))
+
+
 def source_address(peer: Any) -> str:
     """The sender's address without the port (IPv4-mapped IPv6 as IPv4): the per-source key."""
     if not isinstance(peer, tuple) or not peer:
@@ -234,6 +241,7 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         self._served = False  # admitted and counted by the listener
+        self._debug_logged = _debug_enabled(self.log)  # whether a debug line is written (one per message)
         self._lost = False
         self._reading = True
         self._running = False
@@ -253,6 +261,7 @@ class Connection(asyncio.Protocol):
             self.remote = format_peer(peer)
         self.source = source_address(peer)
         self.log = self.log.bind(peer=self.remote)
+        self._debug_logged = _debug_enabled(self.log)
         # No await between admission and opened(): the listener's count stays exact.
         if self._adopted is None and not self.listener.admit(self, peer):
             transport.close()
@@ -390,6 +399,8 @@ class Connection(asyncio.Protocol):
         self.core.written(action, ok)
 
     def _log(self, action: Log) -> None:
+        if action.level == "debug" and not self._debug_logged:
+            return  # what the logger would do, without the call (message_committed: one per message)
         getattr(self.log, action.level)(action.event, **action.fields)
 
     def _record_outcome(self, action: RecordOutcome) -> None:
