@@ -554,7 +554,7 @@ class IntakeConnection:
                 self._emit(effect)
                 self._actions.extend(effect.then)
             else:
-                self._emit(effect)
+                self._actions.append(effect)  # self._emit, inlined on the per-message path
         if decision.batch is not None:
             ticket = next(self._tickets)
             slot.batch = decision.batch
@@ -564,7 +564,7 @@ class IntakeConnection:
             ticket = next(self._tickets)
             slot.message = decision.commit
             self._commits[ticket] = slot
-            self._emit(Commit(ticket, (decision.commit,)))
+            self._actions.append(Commit(ticket, (decision.commit,)))
         else:
             self._settle(slot, decision.reply)
 
@@ -611,7 +611,7 @@ class IntakeConnection:
         if self.phase in WRITING:
             # Whatever the ACK's origin (built here, the server's text, a row
             # an older version stored): exactly one frame goes out.
-            self._emit(Send(mllp.encode_ack_frame(ack), message_id, relayed, also))
+            self._actions.append(Send(mllp.encode_ack_frame(ack), message_id, relayed, also))
         else:
             self._record_write(message_id, relayed, delivered=False, also=also)
 
@@ -620,8 +620,9 @@ class IntakeConnection:
         if message_id is None or self.phase is Phase.HANDED_OVER:
             return
         outcome = AckOutcome.DELIVERED if delivered else AckOutcome.UNDELIVERED
-        for each in (message_id, *also):
-            self._emit(RecordOutcome(each, outcome))
+        self._actions.append(RecordOutcome(message_id, outcome))
+        for each in also:
+            self._actions.append(RecordOutcome(each, outcome))
         if relayed:
             self._emit(Log("info", "application_ack_relayed" if delivered else "application_ack_undelivered",
                            {"id": message_id}))
