@@ -192,6 +192,10 @@ def resolve_codec(msh18: str, channel_encoding: str) -> str:
     return _resolve_one(channel_encoding if channel_encoding.strip() else "utf-8")
 
 
+#: A blank segment after the first: CR, whitespace or nothing, CR (``\s`` is what ``str.strip`` strips).
+_BLANK_SEGMENT = re.compile(r"\r[^\S\r]*\r")
+
+
 def decode_message(data: bytes, codec: str) -> str:
     """Decode strictly and normalise segment ends to ``\\r``: the upstream ``body`` (docs/protocol.md#transmit).
 
@@ -208,6 +212,8 @@ def decode_message(data: bytes, codec: str) -> str:
         ) from None
     except LookupError:
         raise UnsupportedCharset(f"unknown character set {codec!r}", error_code=102) from None
+    if text.startswith("MSH") and text.endswith("\r") and "\n" not in text and _BLANK_SEGMENT.search(text) is None:
+        return text  # already normalised (what senders send): the steps below would return it unchanged
     text = text.lstrip("\ufeff\r\n \t")
     text = text.replace("\r\n", "\r").replace("\n", "\r")
     segments = [seg for seg in text.split("\r") if seg.strip()]
