@@ -9,9 +9,10 @@ connection to a successor. Nothing is decided here: which ACK, in which
 order, when to stop reading is the core's. An accept ACK only ever comes
 from a commit result, after the row's COMMIT returned.
 
-Just over 400 lines on purpose: one method per kind of action the core hands
-back, each next to the asyncio.Protocol callback it answers, so a reader can
-check that every action is applied and nothing is decided here.
+About 550 lines on purpose: one method per kind of action the core hands
+back (``_APPLY``, at the end, maps each action type to its method), each next
+to the asyncio.Protocol callback it answers, so a reader can check that every
+action is applied and nothing is decided here.
 """
 
 from __future__ import annotations
