@@ -199,6 +199,9 @@ class IntakeConnection:
 
     def next_deadline(self) -> float | None:
         """When ``tick()`` is next due (monotonic), if ever."""
+        if (self.phase is Phase.OPEN and self._resume_at is None and self._frame_left is None
+                and not self.policy.idle_timeout and not self._unstored):
+            return None  # between frames, no idle_timeout: what the shell asks twice per message
         due: list[float] = []
         if self._resume_at is not None:
             due.append(self._resume_at)

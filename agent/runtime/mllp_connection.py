@@ -453,8 +453,9 @@ class Connection(asyncio.Protocol):
             self._run()
 
         partition = self.channel.partition
-        self.ctx.writer.intake([intake_item(channel, remote, message, partition) for message in action.items],
-                               done)
+        items = action.items
+        self.ctx.writer.intake([intake_item(channel, remote, items[0], partition)] if len(items) == 1
+                               else [intake_item(channel, remote, message, partition) for message in items], done)
 
     def _audit(self, record: AuditRecord) -> None:
         future = _submit(self.ctx.writer, SqliteStore.record_audit, audit_item(self.channel.name, self.remote, record))
