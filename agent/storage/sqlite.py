@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 #: The schema this code writes; migrations bring older files up to it.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: The oldest schema this code can still run against (forward compatibility:
 #: a newer file whose min_compatible_version is <= ours is fine).
 MIN_COMPATIBLE_VERSION = 1
