@@ -24,7 +24,7 @@ neighbours still commit.
 Answers go back to the event loop in one ``call_soon_threadsafe`` per loop
 per batch, not one per job: a thread hop costs a wake-up of the loop.
 
-Just over 400 lines on purpose: the writer and its small reader twin share
+About 450 lines on purpose: the writer and its small reader twin share
 the job plumbing (binding, answering on the caller's loop) and are read together.
 """
 
