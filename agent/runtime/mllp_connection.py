@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import ipaddress
 import logging
 import socket
@@ -90,21 +89,6 @@ def _submit(
     return writer.submit(lambda store: method(store, *args, **kwargs))
 
 
-#: IntakeItem's fields, as intake_item fills them (checked against the class at import).
-_ITEM_FIELDS = ("channel", "remote", "sending_app", "sending_facility", "control_id", "message_type", "body",
-                "encoding", "ack_mode", "accept_ack_type", "application_ack_type", "commit_ack", "received_at",
-                "partition_key")
-#: One IntakeItem per message: a frozen dataclass's ``__init__`` sets its fourteen
-#: fields one ``object.__setattr__`` at a time (5 us); filling the instance's
-#: dictionary at once gives the same object. Only while IntakeItem is a plain
-#: frozen dataclass with exactly these fields; else its own ``__init__``.
-_FAST_ITEM = (dataclasses.is_dataclass(IntakeItem) and not hasattr(IntakeItem, "__slots__")
-              and not hasattr(IntakeItem, "__post_init__")
-              and tuple(f.name for f in dataclasses.fields(IntakeItem)) == _ITEM_FIELDS)
-_new_object = object.__new__
-_set_attribute = object.__setattr__
-
-
 def intake_item(channel: str, remote: str, message: NewMessage, partition: PartitionKey | None = None) -> IntakeItem:
     """The row the store commits for ``message`` (received on ``channel`` from ``remote``).
 
@@ -112,19 +96,14 @@ def intake_item(channel: str, remote: str, message: NewMessage, partition: Parti
     the decoded text (agent.core.partition), None on a channel without one.
     """
     env = message.envelope
-    values: dict[str, Any] = {
-        "channel": channel, "remote": remote, "sending_app": env.sending_app,
-        "sending_facility": env.sending_facility, "control_id": env.control_id, "message_type": env.message_type,
-        "body": message.body, "encoding": message.codec, "ack_mode": message.ack_mode,
-        "accept_ack_type": env.accept_ack_type, "application_ack_type": env.application_ack_type,
-        "commit_ack": message.commit_ack, "received_at": message.received_at,
-        "partition_key": partition.of(message.text) if partition is not None else None,
-    }
-    if not _FAST_ITEM:
-        return IntakeItem(**values)
-    item: IntakeItem = _new_object(IntakeItem)
-    _set_attribute(item, "__dict__", values)
-    return item
+    return IntakeItem(
+        channel=channel, remote=remote, sending_app=env.sending_app, sending_facility=env.sending_facility,
+        control_id=env.control_id, message_type=env.message_type, body=message.body, encoding=message.codec,
+        ack_mode=message.ack_mode, accept_ack_type=env.accept_ack_type,
+        application_ack_type=env.application_ack_type, commit_ack=message.commit_ack,
+        received_at=message.received_at,
+        partition_key=partition.of(message.text) if partition is not None else None,
+    )
 
 
 def audit_item(channel: str, remote: str, record: AuditRecord) -> AuditItem:
