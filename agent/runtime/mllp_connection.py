@@ -434,7 +434,8 @@ class Connection(asyncio.Protocol):
         partition = self.channel.partition
         items = action.items
         self.ctx.writer.intake([intake_item(channel, remote, items[0], partition)] if len(items) == 1
-                               else [intake_item(channel, remote, message, partition) for message in items], done)
+                               else [intake_item(channel, remote, message, partition) for message in items], done,
+                               self._loop)
 
     def _audit(self, record: AuditRecord) -> None:
         future = _submit(self.ctx.writer, SqliteStore.record_audit, audit_item(self.channel.name, self.remote, record))

@@ -158,14 +158,19 @@ class Writer:
         self._jobs.put(_Job(_bind(method, *args, **kwargs), future=future))
         return future
 
-    def intake(self, items: Sequence[IntakeItem], done: IntakeDone) -> None:
+    def intake(
+        self, items: Sequence[IntakeItem], done: IntakeDone, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         """From the event loop: commit ``items`` as one group (all or none) in the next batch.
 
         ``done(results, None)`` or ``done(None, error)`` is called on this
         loop after the batch's COMMIT returned (the hot path: no future, and
-        one loop wake-up for every group of the batch).
+        one loop wake-up for every group of the batch). ``loop``: the running
+        loop, when the caller has it at hand (``get_running_loop`` costs a
+        getpid system call per message on glibc).
         """
-        loop = asyncio.get_running_loop()
+        if loop is None:
+            loop = asyncio.get_running_loop()
         if self._closed:
             loop.call_soon(done, None, StorageError("the queue writer is closed"))
             return
