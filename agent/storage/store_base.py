@@ -72,6 +72,12 @@ GROUP_QUERIES: dict[str, frozenset[State]] = {
     "partition_unkeyed": frozenset(LIVE),
     "partition_paused": frozenset(LIVE),
     "partition_retrying": frozenset(LIVE),
+    "claimed_ids": IN_FLIGHT,
+    # its live half (the settled half names the live states only as "NOT IN")
+    "count_by_state": frozenset(LIVE),
+    "op_select_live_state": frozenset(LIVE),
+    "op_count_live_state": frozenset(LIVE),
+    "op_export_live_ids": frozenset(LIVE),
 }
 
 

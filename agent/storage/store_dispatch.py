@@ -8,6 +8,7 @@ process that lost the lease cannot change a row even before it notices.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from agent.core.states import Event, State
@@ -90,10 +91,13 @@ class DispatchQueries(StoreBase):
 
     def recover_claimed(self, holder: str, epoch: int) -> int:
         """Event.RECOVER after taking the lease: claimed rows were provably not sent → queued."""
-        cur = self._exec(self._query_for(Event.RECOVER, "recover_claimed"), holder=holder, epoch=epoch,
-                         now=self.clock())
+        ids = [str(r[0]) for r in self._exec("claimed_ids")]
+        moved = 0
+        if ids:
+            moved = int(self._exec(self._query_for(Event.RECOVER, "recover_claimed"), ids=json.dumps(ids),
+                                   holder=holder, epoch=epoch, now=self.clock()).rowcount)
         self._check_fence(holder, epoch)
-        return int(cur.rowcount)
+        return moved
 
     # -- transitions -----------------------------------------------------------
 

@@ -18,7 +18,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from agent.core.states import ALL, DEPTH, Event
+from agent.core.states import ALL, DEPTH, LIVE, Event
 from agent.core.timefmt import rfc3339
 from agent.storage import maintenance
 from agent.storage.liveness import holder_provably_dead
@@ -183,10 +183,12 @@ class OperatorQueries(PartitionQueries):
 
     def rows_in_state(self, state: str, channel: str | None) -> list[ListedRow]:
         """Every row in ``state`` (of ``channel``), in delivery order, without bodies."""
-        return self._rows(ListedRow, "op_select_state", state=state, channel=channel)
+        name = "op_select_live_state" if state in LIVE else "op_select_state"
+        return self._rows(ListedRow, name, state=state, channel=channel)
 
     def count_state(self, state: str, channel: str | None) -> int:
-        return int(self._scalar("op_count_state", state=state, channel=channel))
+        name = "op_count_live_state" if state in LIVE else "op_count_state"
+        return int(self._scalar(name, state=state, channel=channel))
 
     def last_rowid(self) -> int:
         """The newest row's rowid: a re-drive by state stops there (rows it re-queues come back later)."""
@@ -197,7 +199,8 @@ class OperatorQueries(PartitionQueries):
 
     def export_ids(self, state: str, channel: str | None) -> list[str]:
         """Ids in ``state`` in delivery order: by channel, then seq; audit rows last by time."""
-        return [str(r[0]) for r in self._exec("op_export_ids", state=state, channel=channel)]
+        name = "op_export_live_ids" if state in LIVE else "op_export_ids"
+        return [str(r[0]) for r in self._exec(name, state=state, channel=channel)]
 
     def export_bodies(self, ids: Sequence[str]) -> dict[str, bytes]:
         """id → stored bytes of those rows that still exist."""

@@ -10,7 +10,9 @@
 
 -- name: op_settled_by_channel
 SELECT channel, state, count(*) AS n
-FROM messages WHERE state IN ('processed', 'rejected', 'failed', 'nacked')
+FROM messages
+WHERE state NOT IN ('queued', 'claimed', 'inflight')
+  AND state IN ('processed', 'rejected', 'failed', 'nacked')
 GROUP BY channel, state
 
 -- name: op_list
@@ -45,7 +47,8 @@ UPDATE messages SET state = 'queued', next_attempt_at = 0, redrive_base = attemp
                     updated_at = :now
 WHERE rowid IN (
     SELECT rowid FROM messages
-    WHERE state = :state AND (:channel IS NULL OR channel = :channel) AND rowid <= :max_rowid
+    WHERE state NOT IN ('queued', 'claimed', 'inflight') AND state = :state
+      AND (:channel IS NULL OR channel = :channel) AND rowid <= :max_rowid
     ORDER BY rowid LIMIT :limit)
   AND state IN ('failed', 'rejected')
 RETURNING channel
@@ -77,18 +80,37 @@ WHERE id = :id
 SELECT coalesce(max(rowid), 0) FROM messages
 
 -- name: op_select_state
+-- A settled or audit state (messages_settled_updated); the live states have
+-- op_select_live_state (messages_live_head).
 SELECT id, channel, seq, state, control_id, message_type, attempts, received_at, error_code,
        remote, updated_at, encoding, NULL AS body, error_text, server_reason
 FROM messages
-WHERE state = :state AND (:channel IS NULL OR channel = :channel)
+WHERE state NOT IN ('queued', 'claimed', 'inflight') AND state = :state
+  AND (:channel IS NULL OR channel = :channel)
+ORDER BY channel, seq IS NULL, seq, received_at
+
+-- name: op_select_live_state
+SELECT id, channel, seq, state, control_id, message_type, attempts, received_at, error_code,
+       remote, updated_at, encoding, NULL AS body, error_text, server_reason
+FROM messages
+WHERE state IN ('queued', 'claimed', 'inflight') AND state = :state
+  AND (:channel IS NULL OR channel = :channel)
 ORDER BY channel, seq IS NULL, seq, received_at
 
 -- name: op_count_state
-SELECT count(*) FROM messages WHERE state = :state AND (:channel IS NULL OR channel = :channel)
+-- A settled or audit state (messages_settled_updated); the live states have
+-- op_count_live_state (messages_live_head).
+SELECT count(*) FROM messages WHERE state NOT IN ('queued', 'claimed', 'inflight') AND state = :state
+  AND (:channel IS NULL OR channel = :channel)
+
+-- name: op_count_live_state
+SELECT count(*) FROM messages WHERE state IN ('queued', 'claimed', 'inflight') AND state = :state
+  AND (:channel IS NULL OR channel = :channel)
 
 -- name: op_count_purgeable
 SELECT count(*) FROM messages
-WHERE state = :state AND updated_at < :cutoff AND (:channel IS NULL OR channel = :channel)
+WHERE state NOT IN ('queued', 'claimed', 'inflight') AND state = :state
+  AND updated_at < :cutoff AND (:channel IS NULL OR channel = :channel)
   AND state IN ('processed', 'rejected', 'failed', 'nacked')
 
 -- name: op_purge_batch
@@ -96,13 +118,23 @@ WHERE state = :state AND updated_at < :cutoff AND (:channel IS NULL OR channel =
 -- purge never forgets a key before dedupe_window (docs/queue.md#dedupe).
 DELETE FROM messages WHERE rowid IN (
     SELECT rowid FROM messages
-    WHERE state = :state AND updated_at < :cutoff AND (:channel IS NULL OR channel = :channel)
+    WHERE state NOT IN ('queued', 'claimed', 'inflight') AND state = :state
+  AND updated_at < :cutoff AND (:channel IS NULL OR channel = :channel)
     ORDER BY updated_at LIMIT :limit)
   AND state IN ('processed', 'rejected', 'failed', 'nacked')
 
 -- name: op_export_ids
+-- A settled or audit state (messages_settled_updated); the live states have
+-- op_export_live_ids (messages_live_head).
 SELECT id FROM messages
-WHERE state = :state AND (:channel IS NULL OR channel = :channel)
+WHERE state NOT IN ('queued', 'claimed', 'inflight') AND state = :state
+  AND (:channel IS NULL OR channel = :channel)
+ORDER BY channel, seq IS NULL, seq, received_at
+
+-- name: op_export_live_ids
+SELECT id FROM messages
+WHERE state IN ('queued', 'claimed', 'inflight') AND state = :state
+  AND (:channel IS NULL OR channel = :channel)
 ORDER BY channel, seq IS NULL, seq, received_at
 
 -- name: op_bodies

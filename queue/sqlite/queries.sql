@@ -86,9 +86,15 @@ SELECT value FROM meta WHERE key = 'queue_id'
 -- name: lease_fence
 SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch
 
+-- name: claimed_ids
+-- The rows to recover, from the partial index of rows in flight
+-- (messages_partition_busy: a handful of entries), never a pass over the table.
+SELECT id FROM messages WHERE state IN ('claimed', 'inflight') AND state = 'claimed'
+
 -- name: recover_claimed
+-- The ids of claimed_ids (a JSON array), read in the same transaction.
 UPDATE messages SET state = 'queued', updated_at = :now
-WHERE state = 'claimed'
+WHERE id IN (SELECT value FROM json_each(:ids)) AND state = 'claimed'
   AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
 
 -- name: channel_head
@@ -262,7 +268,14 @@ SELECT channel, last_seq, paused, paused_at, paused_reason FROM channels ORDER B
 SELECT channel FROM channels WHERE paused = 1
 
 -- name: count_by_state
-SELECT state, count(*) AS n FROM messages GROUP BY state
+-- Index entries only, never the rows: settled and audit rows from
+-- messages_settled_updated, live ones from messages_live_head. One
+-- statement, so one snapshot.
+SELECT state, count(*) AS n FROM messages WHERE state NOT IN ('queued', 'claimed', 'inflight')
+GROUP BY state
+UNION ALL
+SELECT state, count(*) AS n FROM messages WHERE state IN ('queued', 'claimed', 'inflight')
+GROUP BY state
 
 -- name: live_by_channel
 SELECT channel, state, count(*) AS n, min(CASE WHEN state = 'queued' THEN received_at END) AS oldest
@@ -277,13 +290,15 @@ DELETE FROM dedupe_keys WHERE expires_at <= :now
 -- them all for each batch of :limit cost time in proportion to the table.
 DELETE FROM messages WHERE id IN (
     SELECT id FROM messages
-    WHERE state IN ('processed', 'rejected', 'nacked') AND updated_at < :cutoff
+    WHERE state NOT IN ('queued', 'claimed', 'inflight')
+      AND state IN ('processed', 'rejected', 'nacked') AND updated_at < :cutoff
     LIMIT :limit)
 
 -- name: purge_oldest_terminal
 DELETE FROM messages WHERE id IN (
     SELECT id FROM messages
-    WHERE state IN ('processed', 'rejected', 'nacked')
+    WHERE state NOT IN ('queued', 'claimed', 'inflight')
+      AND state IN ('processed', 'rejected', 'nacked')
     ORDER BY updated_at LIMIT :limit)
 
 -- name: row_by_id
@@ -297,7 +312,7 @@ FROM messages WHERE id = :id
 -- name: recent_failures
 SELECT id, channel, control_id, message_type, state, error_code, error_text, attempts, updated_at,
        server_status, server_reason
-FROM messages WHERE state IN ('failed', 'rejected')
+FROM messages WHERE state NOT IN ('queued', 'claimed', 'inflight') AND state IN ('failed', 'rejected')
 ORDER BY updated_at DESC LIMIT :limit
 
 -- name: settled_app_acks

@@ -354,10 +354,12 @@ class TestSchemaTwo:
             conn.close()
         db.open_existing(path, db.DatabaseOptions()).close()
 
-    def test_a_schema_3_file_loses_only_the_control_id_index(self, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-        """Schema 4 drops messages_control_id and nothing else; the rows stay, a control id is still
-        found, and min_compatible_version stays 1 (the previous version keeps working on it)."""
+    def test_a_schema_3_file_gets_the_schema_4_indexes(self, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+        """Schema 4 drops messages_control_id, narrows (state, updated_at) to the rows no longer live
+        and gives messages_live_head the state; nothing else changes: the rows stay, a control id is
+        still found, states are counted right, and min_compatible_version stays 1 (the previous
+        version keeps working on it)."""
         path = tmp_path / "queue.db"
         first = db.load_migrations()[:3]
         monkeypatch.setattr(db, "load_migrations", lambda: first)
@@ -368,17 +370,25 @@ class TestSchemaTwo:
 
         conn = db.open_database(path, AGENT, db.DatabaseOptions(), START)
         before = indexes(conn)
-        conn.execute("INSERT INTO messages (id, channel, seq, state, remote, control_id, body, body_sha256,"
-                     " received_at, updated_at) VALUES ('old-row', 'adt', 1, 'queued', 'x', 'C1', x'00', '', 1, 1)")
+        for n, state in enumerate((State.QUEUED, State.QUEUED, State.CLAIMED, State.PROCESSED, State.FAILED)):
+            conn.execute("INSERT INTO messages (id, channel, seq, state, remote, control_id, body, body_sha256,"
+                         " received_at, updated_at) VALUES (?, 'adt', ?, ?, 'x', ?, x'00', '', 1, 1)",
+                         (f"old-row-{n}", n + 1, state, f"C{n}"))
         conn.close()
         monkeypatch.undo()
         conn = db.open_database(path, AGENT, db.DatabaseOptions(), START)
         try:
-            assert before - indexes(conn) == {"messages_control_id"} and indexes(conn) <= before
+            after = indexes(conn)
+            assert before - after == {"messages_control_id", "messages_state_updated"}
+            assert after - before == {"messages_settled_updated"}
+            assert [r[2] for r in conn.execute("PRAGMA index_info(messages_live_head)")] == ["channel", "seq", "state"]
             store = SqliteStore(conn, db.load_queries(), db_path=path)
             meta = store.meta()
             assert (meta["schema_version"], meta["min_compatible_version"]) == ("4", "1")
-            assert [r.id for r in store.list_rows(RowFilter(control_id="C1"))] == ["old-row"]
+            assert [r.id for r in store.list_rows(RowFilter(control_id="C1"))] == ["old-row-1"]
+            assert {k: v for k, v in store.stats()["states"].items() if v} == {
+                State.QUEUED: 2, State.CLAIMED: 1, State.PROCESSED: 1, State.FAILED: 1}
+            assert store.count_state(State.QUEUED, None) == 2 and store.count_state(State.FAILED, "adt") == 1
         finally:
             conn.close()
 

@@ -35,7 +35,8 @@ HOT: dict[str, tuple[str, str]] = {
     "settle": ("sqlite_autoindex_messages_1 (id=?)", "messages"),
     "requeue": ("sqlite_autoindex_messages_1 (id=?)", "messages"),
     "fail_live": ("sqlite_autoindex_messages_1 (id=?)", "messages"),
-    "recover_claimed": ("messages_state_updated (state=?)", "messages"),
+    "claimed_ids": ("messages_partition_busy", "messages"),
+    "recover_claimed": ("sqlite_autoindex_messages_1 (id=?)", "messages"),
     "dedupe_set_app_ack": ("PRIMARY KEY (channel=? AND sending_app=? AND sending_facility=? AND control_id=?)",
                            "dedupe_keys"),
     # intake
@@ -46,20 +47,20 @@ HOT: dict[str, tuple[str, str]] = {
     # the application-ACK relay's poll
     "settled_app_acks": ("sqlite_autoindex_messages_1 (id=?)", "messages"),
     # stats depth and the status page: live rows only, never the settled history
-    "live_by_channel": ("messages_state_updated (state=?)|messages_live_head|messages_partition_head",
-                        "messages"),
-    "status_live_depth": ("COVERING INDEX messages_state_updated (state=?)", "messages"),
+    "live_by_channel": ("messages_live_head|messages_partition_head", "messages"),
+    "status_live_depth": ("COVERING INDEX messages_live_head", "messages"),
     "status_head": ("messages_live_head (channel=?)", "messages"),
     # retention: a batch costs its size, not the table's
     "purge_expired_dedupe_keys": ("dedupe_keys_expiry (expires_at<?)", "dedupe_keys"),
-    "purge_terminal_older_than": ("messages_state_updated (state=? AND updated_at<?)", "messages"),
+    "purge_terminal_older_than": ("messages_settled_updated (state=? AND updated_at<?)", "messages"),
 }
 
 #: Plans allowed a temp B-tree: grouping the live rows by channel and state (a few groups).
 SORTS = {"live_by_channel"}
 
 #: The indexes a plan may scan whole: they hold the live rows only (partial).
-PARTIALS = ("USING INDEX messages_live_head", "USING INDEX messages_partition_head")
+PARTIALS = ("USING INDEX messages_live_head", "USING INDEX messages_partition_head",
+            "USING INDEX messages_partition_busy", "USING COVERING INDEX messages_live_head")
 
 
 def item(channel: str, n: int) -> IntakeItem:
@@ -120,7 +121,50 @@ def test_hot_query_uses_its_index(store: SqliteStore, name: str) -> None:
 
 def test_every_hot_query_exists(store: SqliteStore) -> None:
     """A renamed query must not drop out of this test silently."""
-    assert set(HOT) <= set(store.q)
+    assert set(HOT) <= set(store.q) and set(SETTLED_READS) <= set(store.q) and set(LIVE_READS) <= set(store.q)
+
+
+#: Operator and status queries for rows no longer live: a search of the settled index
+#: (only the rows asked for), never a scan of the table.
+SETTLED_READS = ("recent_failures", "purge_oldest_terminal", "op_settled_by_channel", "op_count_purgeable",
+                 "op_purge_batch", "op_count_state", "op_select_state", "op_export_ids")
+#: Their twins for a live state: the live rows' index, never the table.
+LIVE_READS = ("op_count_live_state", "op_select_live_state", "op_export_live_ids")
+
+
+@pytest.mark.parametrize("name", SETTLED_READS)
+def test_settled_reads_search_the_settled_index(store: SqliteStore, name: str) -> None:
+    steps = plan(store, name)
+    assert any("USING INDEX messages_settled_updated (state=?" in step
+               or "USING COVERING INDEX messages_settled_updated (state=?" in step for step in steps), steps
+    assert not any(step.startswith("SCAN messages") for step in steps), steps
+
+
+@pytest.mark.parametrize("name", LIVE_READS)
+def test_live_state_reads_use_the_live_index(store: SqliteStore, name: str) -> None:
+    steps = plan(store, name)
+    assert any("messages_live_head" in step for step in steps), steps
+    assert not any(step.startswith("SCAN messages") and not any(p in step for p in PARTIALS) for step in steps), steps
+
+
+def test_intake_and_dispatch_marks_write_no_state_index_entry(tmp_path: Path) -> None:
+    """Every index that leads with the state is partial: a queued row gets no entry in the settled one.
+
+    Then intake writes one B-tree entry (and a page of the commit) fewer, and
+    the claim and inflight marks move none there; only a settle adds one.
+    """
+    path = tmp_path / "queue.db"
+    conn = db.open_database(path, "plan-test", db.DatabaseOptions(), T0)
+    try:
+        listed = {str(r[1]): bool(r[4]) for r in conn.execute("PRAGMA index_list(messages)")}
+        leading = {name for name in listed
+                   if [str(r[2]) for r in conn.execute(f"PRAGMA index_info({name})")][:1] == ["state"]}
+        assert leading == {"messages_settled_updated"}
+        assert all(listed[name] for name in leading), listed
+        sql = conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'messages_settled_updated'").fetchone()[0]
+        assert "WHERE state NOT IN ('queued', 'claimed', 'inflight')" in sql
+    finally:
+        conn.close()
 
 
 def test_the_plans_were_checked_on_a_busy_queue(store: SqliteStore) -> None:
@@ -146,12 +190,16 @@ def test_dedupe_app_ack_is_kept_with_its_key(tmp_path: Path) -> None:
         s.close()
 
 
-def test_state_counts_read_only_the_state_index(store: SqliteStore) -> None:
-    """``stats()``' count by state reads the (state, updated_at) index alone, never the rows.
+def test_state_counts_read_only_the_state_indexes(store: SqliteStore) -> None:
+    """``stats()``' count by state reads index entries alone, never the rows.
 
-    Still a pass over every row's index entry (O(rows), about 0.3 s at 500,000
-    rows): maintained per-state counters would make it O(1); until then this
-    keeps it from getting worse (a scan of the table reads every body too).
+    Settled and audit rows from messages_settled_updated, live ones from
+    messages_live_head (which carries the state for this). Still a pass over
+    every row's index entry (O(rows), about 0.3 s at 500,000 rows):
+    maintained per-state counters would make it O(1); until then this keeps it
+    from getting worse (a scan of the table reads every body too).
     """
     steps = plan(store, "count_by_state")
-    assert steps == ["SCAN messages USING COVERING INDEX messages_state_updated"], steps
+    scans = [step for step in steps if step.startswith(("SCAN", "SEARCH"))]
+    assert scans == ["SCAN messages USING COVERING INDEX messages_settled_updated",
+                     "SCAN messages USING COVERING INDEX messages_live_head"], steps

@@ -214,3 +214,22 @@ class TestStateGroupsInSql:
         index = re.search(r"CREATE INDEX messages_live_head .*?;", schema_sql(), re.DOTALL)
         assert index is not None
         assert guarded_states(index.group(0)) == states.LIVE
+
+    def test_the_settled_index_is_named_by_the_complement_of_live(self) -> None:
+        """``state NOT IN (…)`` appears only as the settled index's condition: exactly the live states.
+
+        The guard parser above reads ``state IN``/``state =`` only; this term
+        may narrow a query to the rows that are no longer live and nothing
+        else, so the index of those rows (SQLite uses a partial index only for
+        a query that names its condition) can never hide a live row.
+        """
+        index = re.search(r"CREATE INDEX IF NOT EXISTS messages_settled_updated .*?;", schema_sql(), re.DOTALL)
+        assert index is not None
+        terms = re.findall(r"\bstate NOT IN \(([^)]*)\)", index.group(0))
+        assert [set(re.findall(r"'([a-z]+)'", t)) for t in terms] == [states.LIVE]
+        used = 0
+        for name, raw in db.load_queries().items():
+            for listed in re.findall(r"\bstate NOT IN \(([^)]*)\)", without_comments(raw)):
+                assert set(re.findall(r"'([a-z]+)'", listed)) == states.LIVE, name
+                used += 1
+        assert used >= 10
