@@ -19,3 +19,11 @@ DROP INDEX IF EXISTS messages_control_id;
 DROP INDEX IF EXISTS messages_state_updated;
 CREATE INDEX IF NOT EXISTS messages_settled_updated ON messages (state, updated_at)
     WHERE state NOT IN ('queued', 'claimed', 'inflight');
+
+-- messages_live_head carries the state too (as on SQLite), so the live rows
+-- are counted by state from the index (an index-only scan) rather than by a
+-- visit to every live row. No extra write: a state change already replaces
+-- the row's entries in every index (never a HOT update: the state is indexed).
+DROP INDEX IF EXISTS messages_live_head;
+CREATE INDEX messages_live_head ON messages (channel, seq, state)
+    WHERE state IN ('queued', 'claimed', 'inflight');
