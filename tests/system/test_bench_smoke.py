@@ -63,6 +63,14 @@ class TestBenchSmoke:
             assert s["ratio"] > 0 and "target_met" in s
         assert all(rate > 0 for rate in result["fsync_per_s"])
 
+    def test_wal_frames_counts_pages_per_commit(self, tmp_path: Path) -> None:
+        """bench/wal_frames.py counts the WAL frames of intake and dispatch commits through the store."""
+        result = run_bench("wal_frames.py", tmp_path, "--ids", "uuid7")
+        assert result["rows_before"] == 2000 and result["ids"] == "uuid7"
+        # at least the row, its id index entry and the channel's seq: never below a few pages
+        assert 3 < result["intake_1"] < result["intake_16"]
+        assert result["dispatch_per_message"] > 3
+
     def test_e2e_checks_every_message_delivered_once_in_order(self, tmp_path: Path) -> None:
         """bench/e2e.py delivers through a local upstream server and verifies the delivery."""
         result = run_bench("e2e.py", tmp_path)
