@@ -27,7 +27,11 @@ join it, up to its COMMIT (late joiners): a dispatch settle waits for the
 commit under way rather than the next whole batch, which roughly halves the
 time a strict channel's message spends between its answer and its settle
 while intake keeps the writer busy. Intake groups arriving then wait for the
-next batch as before (they are sized by the load at its start).
+next batch as before (they are sized by the load at its start). A caller
+that will submit a job within moments says so first (:meth:`Writer.expect`:
+the dispatcher does, for a transmit whose answer comes quickly); while such
+jobs are announced, a batch about to commit waits up to ``HOLD_SECONDS`` for
+them, so every channel's settle rides the commit under way.
 
 Just over 400 lines on purpose: the writer and its small reader twin share
 the job plumbing (binding, answering on the caller's loop) and are read together.
@@ -53,6 +57,12 @@ from agent.storage.store import SqliteStore
 T = TypeVar("T")
 P = ParamSpec("P")
 log = structlog.get_logger(__name__)
+
+#: The longest a batch about to commit waits for jobs announced with Writer.expect().
+#: About one answer's round trip from a server on the local network: a settle
+#: that misses a commit waits for the whole next batch (several milliseconds
+#: under intake load) instead.
+HOLD_SECONDS = 0.002
 
 #: Called on the event loop with a job's result, or None and the error.
 IntakeDone = Callable[[list[IntakeResult] | None, BaseException | None], None]
@@ -145,6 +155,9 @@ class Writer:
         self._outcomes: list[tuple[str, str]] = []
         self._deferred_lock = threading.Lock()
         self.defer_flush_interval = 0.5
+        self.hold = HOLD_SECONDS
+        #: Jobs announced with expect() and not submitted yet (written on the event loop only).
+        self._expected = 0
         self.batches = 0
         self.last_write = time.monotonic()  # of the last batch that changed a row
 
@@ -206,6 +219,18 @@ class Writer:
             taken, self._deferred = self._deferred, []
             outcomes, self._outcomes = self._outcomes, []
         return taken, outcomes
+
+    def expect(self) -> None:
+        """From the event loop: a job follows within moments (then :meth:`expected_done`, before submitting it).
+
+        A hint, never a promise: a batch about to commit waits at most
+        ``hold`` seconds for announced jobs, and none when nothing is announced.
+        """
+        self._expected += 1
+
+    def expected_done(self) -> None:
+        """From the event loop: the job announced with :meth:`expect` is submitted next, or will not come."""
+        self._expected -= 1
 
     async def call(
         self, method: Callable[Concatenate[SqliteStore, P], T], *args: P.args, **kwargs: P.kwargs
@@ -353,13 +378,22 @@ class Writer:
     def _run_late(self, conn: Any, batch: list[_AnyJob]) -> None:  # noqa: ANN401 - the dialect's connection
         """Run the non-intake jobs queued since the batch began in it too (see the module docstring).
 
-        Intake groups taken meanwhile are carried, in order, to the next
-        batch; a job passing one commits no later than it would have, and no
-        caller waits on one job before submitting another to the same commit.
+        While jobs are announced (:meth:`expect`), wait for them up to
+        ``hold`` seconds in all. Intake groups taken meanwhile are carried, in
+        order, to the next batch; a job passing one commits no later than it
+        would have, and no caller waits on one job before submitting another
+        to the same commit.
         """
+        deadline: float | None = None
         while len(batch) < self.max_batch:
             try:
-                job = self._jobs.get_nowait()
+                if self._expected > 0 and self.hold > 0:
+                    if deadline is None:
+                        deadline = time.monotonic() + self.hold
+                    remaining = deadline - time.monotonic()
+                    job = self._jobs.get(timeout=remaining) if remaining > 0 else self._jobs.get_nowait()
+                else:
+                    job = self._jobs.get_nowait()
             except queue.Empty:
                 return
             if not isinstance(job, _Job):

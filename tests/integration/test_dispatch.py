@@ -586,3 +586,48 @@ class TestCommitsPerMessage:
                     assert commits <= n + 4, commits
 
         run(scenario())
+
+    def test_the_settles_of_several_channels_share_commits(self, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+        """Four channels draining at once: about one commit per four messages, not one each.
+
+        A settle that arrives while a batch runs joins its COMMIT, and the
+        writer holds a commit a moment for settles announced by a quick
+        server's transmits. The server answers each channel after its own
+        delay (0, 3, 6, 9 ms: the channels' answers never arrive together, as
+        under intake load), so without the hold each settle takes a commit of
+        its own. The hold is widened (50 ms, and every server counts as quick)
+        so a busy test machine cannot make answers miss it; the bound allows
+        half again the ideal count of 20.
+        """
+        import agent.runtime.channel_worker as channel_worker
+
+        monkeypatch.setattr(channel_worker, "QUICK_ANSWER_SECONDS", 10.0)
+        n, names = 20, ["c1", "c2", "c3", "c4"]
+        gate = asyncio.Event()
+
+        async def decide(t: Transmit) -> Answer:
+            await gate.wait()
+            await asyncio.sleep(0.003 * names.index(t.channel))  # the server's answer time, per channel
+            return default_answer(t)
+
+        async def scenario() -> None:
+            async with dev_server(decide) as server:
+                s = settings_for(tmp_path, url(server), [{"name": name} for name in names])
+                async with agent_running(s) as agent:
+                    assert agent.writer is not None
+                    agent.writer.hold = 0.05
+                    for name in names:
+                        acks = await send_all(port_of(agent, name), [hl7_message(cid(name, i)) for i in range(n)])
+                        assert [ack_code(a) for a in acks] == ["AA"] * n
+                    await until(lambda: len(server.received) == len(names), 10, "each channel's first transmit")
+                    before = agent.writer.batches
+                    gate.set()
+                    await until(lambda: rows(agent, "SELECT count(*) FROM messages WHERE state = 'processed'")
+                                == [(n * len(names),)], 30, "every row processed")
+                    commits = agent.writer.batches - before
+                    for name in names:
+                        assert [t.control_id for t in first_attempts(server, name)] == [cid(name, i) for i in range(n)]
+                    assert commits <= n * 3 // 2, commits
+
+        run(scenario())

@@ -167,3 +167,37 @@ class TestLateJoiners:
         seqs = writer.submit(lambda s: s.conn.execute(
             "SELECT control_id, seq FROM messages ORDER BY seq").fetchall()).result(5)
         assert [tuple(r) for r in seqs] == [("G1", 1), ("G2", 2)]
+
+
+class TestAnnouncedJobs:
+    """``expect()``: a batch about to commit waits a moment for a job its caller is about to submit."""
+
+    def test_a_batch_waits_for_an_announced_job_and_commits_with_it(self, writer: Writer) -> None:
+        """The announced job joins the commit under way, even though it came after the batch's own jobs ran."""
+        writer.hold = 10.0  # far longer than the test needs: the job's arrival ends the wait, not the limit
+        ran = threading.Event()
+
+        def first(store: SqliteStore) -> None:
+            _set_meta("first", "1")(store)
+            ran.set()
+
+        before = writer.batches
+        writer.expect()
+        held = writer.submit(first)
+        assert ran.wait(10)
+        writer.expected_done()
+        late = writer.submit(_set_meta("announced", "1"))
+        late.result(10)
+        held.result(10)
+        assert writer.batches == before + 1
+
+    def test_an_announced_job_that_never_comes_delays_the_commit_by_the_hold_at_most(self, writer: Writer) -> None:
+        """A hint, never a promise: the batch commits after ``hold`` even if the job is never submitted."""
+        writer.hold = 0.05
+        writer.expect()
+        try:
+            started = time.monotonic()
+            writer.submit(_set_meta("alone", "1")).result(10)
+            assert time.monotonic() - started < 5
+        finally:
+            writer.expected_done()
