@@ -136,6 +136,10 @@ def run_backend(wd: Path, args: argparse.Namespace, backend: str, queue: list[st
             h.check_all_accepted(report, f"hl7-agent intake ({backend})")
             total = report["acked"]
             load_end = time.monotonic()
+            if spy is not None and not args.no_drain:
+                # Dispatch alone: the first seconds of the drain, in a profile of their own.
+                spy.proc.wait(60)
+                spy = h.py_spy(agent.pid, Path(args.profile) / f"e2e-{name}-drain.txt", 4)
             if not args.no_drain:
                 drained = upstream.wait_received(total, args.drain_timeout)
                 drain_s = time.monotonic() - load_end
@@ -248,7 +252,8 @@ def main() -> int:
     parser.add_argument("--workdir")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--json")
-    parser.add_argument("--profile", metavar="DIR", help="py-spy record the agent during the load")
+    parser.add_argument("--profile", metavar="DIR", help="py-spy record the agent during the load "
+                                                           "(and the first seconds of the drain)")
     parser.add_argument("--smoke", action="store_true", help="a few hundred messages: proves the bench works")
     parser.add_argument("--backend", choices=h.BACKENDS, nargs="+", default=["sqlite"],
                         help="the agent's queue backend; two: one after the other in this run")
