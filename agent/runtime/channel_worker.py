@@ -17,7 +17,7 @@ partitioned channel runs agent.runtime.partition_worker.PartitionWorker
 instead, which reuses the send and apply steps below for several rows of
 different keys.
 
-One module of about 420 lines: the store calls, the shared context and the
+One module of about 450 lines: the store calls, the shared context and the
 worker loop are one unit — each store call exists for exactly one step of
 the loop, and apart they would be read side by side anyway.
 """
@@ -188,6 +188,7 @@ class DispatchContext:
     answer_seconds: float = 1.0
 
     def answered_in(self, seconds: float) -> None:
+        """One answer's time (or a timeout's) into the moving average."""
         self.answer_seconds += 0.1 * (seconds - self.answer_seconds)
 
     async def sleep(self, seconds: float) -> None:
@@ -367,6 +368,7 @@ class ChannelWorker:
                 if announced:
                     ctx.writer.expected_done()
         except TimeoutError:
+            ctx.answered_in(ctx.response_timeout)  # a server that stopped answering is no quick one
             mlog.warning("transmit_response_timeout", attempt=attempt)
             return on_loss(head, attempt, Loss.RESPONSE_TIMEOUT, policy, replay=session.replay)
         except TransmitTooLarge as exc:

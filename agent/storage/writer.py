@@ -33,7 +33,7 @@ the dispatcher does, for a transmit whose answer comes quickly); while such
 jobs are announced, a batch about to commit waits up to ``HOLD_SECONDS`` for
 them, so every channel's settle rides the commit under way.
 
-Just over 400 lines on purpose: the writer and its small reader twin share
+About 490 lines on purpose: the writer and its small reader twin share
 the job plumbing (binding, answering on the caller's loop) and are read together.
 """
 
