@@ -631,3 +631,40 @@ class TestCommitsPerMessage:
                     assert commits <= n * 3 // 2, commits
 
         run(scenario())
+
+    def test_only_a_strict_channels_transmit_is_announced_to_the_writer(self, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+        """A strict channel's next message waits for this settle: the writer is told it comes.
+
+        A partitioned channel's other keys go on meanwhile, and with many rows
+        in flight an announcement would stand nearly always, making every
+        commit wait (intake's too): its transmits are not announced.
+        """
+        import agent.runtime.channel_worker as channel_worker
+
+        monkeypatch.setattr(channel_worker, "QUICK_ANSWER_SECONDS", 10.0)
+        gate = asyncio.Event()
+
+        async def decide(t: Transmit) -> Answer:
+            await gate.wait()
+            return default_answer(t)
+
+        async def scenario() -> None:
+            async with dev_server(decide) as server:
+                s = settings_for(tmp_path, url(server), [
+                    {"name": "strict"}, {"name": "part", "partition_key": "PID-3.1", "max_in_flight": 4}])
+                async with agent_running(s) as agent:
+                    assert agent.writer is not None
+                    writer = agent.writer
+                    await send_all(port_of(agent, "part"), [hl7_message(cid("part", i)) for i in range(3)])
+                    await until(lambda: len(server.received) == 1, 10, "the partitioned channel's transmit")
+                    assert writer._expected == 0
+                    await send_all(port_of(agent, "strict"), [hl7_message(cid("strict", 0))])
+                    await until(lambda: len(server.received) == 2, 10, "the strict channel's transmit")
+                    assert writer._expected == 1
+                    gate.set()
+                    await until(lambda: rows(agent, "SELECT count(*) FROM messages WHERE state = 'processed'")
+                                == [(4,)], 10, "every row processed")
+                    assert writer._expected == 0
+
+        run(scenario())
