@@ -30,8 +30,9 @@ while intake keeps the writer busy. Intake groups arriving then wait for the
 next batch as before (they are sized by the load at its start). A caller
 that will submit a job within moments says so first (:meth:`Writer.expect`:
 the dispatcher does, for a transmit whose answer comes quickly); while such
-jobs are announced, a batch about to commit waits up to ``HOLD_SECONDS`` for
-them, so every channel's settle rides the commit under way.
+jobs are announced, a batch about to commit waits up to ``HOLD_SECONDS`` (and
+no longer than a batch's own work takes) for them, so every channel's settle
+rides the commit under way.
 
 About 490 lines on purpose: the writer and its small reader twin share
 the job plumbing (binding, answering on the caller's loop) and are read together.
@@ -156,6 +157,13 @@ class Writer:
         self._deferred_lock = threading.Lock()
         self.defer_flush_interval = 0.5
         self.hold = HOLD_SECONDS
+        #: The hold is at least this long (0: as the batches' work says; tests
+        #: widen it so a slow or loaded machine cannot make an answer miss it).
+        self.min_hold = 0.0
+        #: Moving average of a batch's own work (statements and COMMIT, not the
+        #: hold): a job that misses a commit waits about that long for the next,
+        #: so the hold is never longer (a fast disk and an idle writer: short).
+        self._batch_seconds = 0.0
         #: Jobs announced with expect() and not submitted yet (written on the event loop only).
         self._expected = 0
         self.batches = 0
@@ -310,6 +318,7 @@ class Writer:
                    *, stopping: bool = False) -> None:
         store = self.store
         dialect = store.dialect
+        started, waited = time.monotonic(), 0.0
         try:
             # On a database server the connection may have been lost since the
             # last batch: the store opens it again first (or fails at once).
@@ -339,7 +348,7 @@ class Writer:
             if intakes:
                 self._run_intakes(conn, intakes)
             if not stopping:
-                self._run_late(conn, batch)
+                waited = self._run_late(conn, batch)
         except _TransactionLost as lost:
             self._fail_all(batch, lost.error)
             return
@@ -350,6 +359,8 @@ class Writer:
             self._fail_all(batch, dialect.storage_error(exc))
             return
         self.batches += 1
+        worked = time.monotonic() - started - waited
+        self._batch_seconds += 0.2 * (worked - self._batch_seconds)
         if dialect.changes(conn) != changes:
             self.last_write = time.monotonic()
         self._answer(batch)
@@ -375,34 +386,44 @@ class Writer:
             return False, exc
         return True, result
 
-    def _run_late(self, conn: Any, batch: list[_AnyJob]) -> None:  # noqa: ANN401 - the dialect's connection
+    def _run_late(self, conn: Any, batch: list[_AnyJob]) -> float:  # noqa: ANN401 - the dialect's connection
         """Run the non-intake jobs queued since the batch began in it too (see the module docstring).
 
         While jobs are announced (:meth:`expect`), wait for them up to
-        ``hold`` seconds in all. Intake groups taken meanwhile are carried, in
-        order, to the next batch; a job passing one commits no later than it
-        would have, and no caller waits on one job before submitting another
-        to the same commit.
+        ``hold`` seconds in all, and never longer than a batch's own work has
+        been taking: a job that misses this commit waits about that long for
+        the next. Intake groups taken meanwhile are carried, in order, to the
+        next batch; a job passing one commits no later than it would have,
+        and no caller waits on one job before submitting another to the same
+        commit. Returns the seconds spent waiting.
         """
         deadline: float | None = None
+        waited = 0.0
         while len(batch) < self.max_batch:
             try:
                 if self._expected > 0 and self.hold > 0:
+                    now = time.monotonic()
                     if deadline is None:
-                        deadline = time.monotonic() + self.hold
-                    remaining = deadline - time.monotonic()
-                    job = self._jobs.get(timeout=remaining) if remaining > 0 else self._jobs.get_nowait()
+                        deadline = now + max(self.min_hold, min(self.hold, self._batch_seconds))
+                    if deadline > now:
+                        try:
+                            job = self._jobs.get(timeout=deadline - now)
+                        finally:
+                            waited += time.monotonic() - now
+                    else:
+                        job = self._jobs.get_nowait()
                 else:
                     job = self._jobs.get_nowait()
             except queue.Empty:
-                return
+                return waited
             if not isinstance(job, _Job):
                 self._carried.append(job)  # an intake group, or the stop marker: no more
                 if not isinstance(job, _IntakeJob):
-                    return
+                    return waited
                 continue
             batch.append(job)
             job.ok, job.value = self._in_savepoint(conn, f"job{len(batch)}", job.fn)
+        return waited
 
     def _run_intakes(self, conn: Any, jobs: list[_IntakeJob]) -> None:  # noqa: ANN401 - the dialect's connection
         """Every intake group of the batch at once; one by one only if that fails."""

@@ -174,7 +174,7 @@ class TestAnnouncedJobs:
 
     def test_a_batch_waits_for_an_announced_job_and_commits_with_it(self, writer: Writer) -> None:
         """The announced job joins the commit under way, even though it came after the batch's own jobs ran."""
-        writer.hold = 10.0  # far longer than the test needs: the job's arrival ends the wait, not the limit
+        writer.hold = writer.min_hold = 10.0  # far longer than needed: the job's arrival ends the wait
         ran = threading.Event()
 
         def first(store: SqliteStore) -> None:
@@ -193,11 +193,29 @@ class TestAnnouncedJobs:
 
     def test_an_announced_job_that_never_comes_delays_the_commit_by_the_hold_at_most(self, writer: Writer) -> None:
         """A hint, never a promise: the batch commits after ``hold`` even if the job is never submitted."""
-        writer.hold = 0.05
+        writer.hold = writer.min_hold = 0.05
         writer.expect()
         try:
             started = time.monotonic()
             writer.submit(_set_meta("alone", "1")).result(10)
+            assert time.monotonic() - started < 5
+        finally:
+            writer.expected_done()
+
+    def test_the_hold_is_never_longer_than_a_batch_takes(self, writer: Writer) -> None:
+        """A job that misses a commit waits about one batch for the next: holding longer would cost more.
+
+        The batches here take milliseconds (a small commit on a local disk),
+        so with ``hold`` at 30 s an announcement that is never fulfilled
+        costs the commit milliseconds, not the full hold.
+        """
+        for n in range(5):  # the batches' work, measured
+            writer.submit(_set_meta(f"warm{n}", "1")).result(10)
+        writer.hold = 30.0
+        writer.expect()
+        try:
+            started = time.monotonic()
+            writer.submit(_set_meta("capped", "1")).result(20)
             assert time.monotonic() - started < 5
         finally:
             writer.expected_done()
