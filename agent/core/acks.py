@@ -6,7 +6,7 @@ a reject ACK, so ``build_ack`` never raises on odd input.
 
 Reading an ACK is here too (``read_ack_code``, ``server_reason``): it shares
 the delimiter and escape rules with building one, which is why the module is
-somewhat over 400 lines.
+about 550 lines.
 """
 
 from __future__ import annotations
@@ -259,81 +259,105 @@ def build_ack(
     ``inbound=None`` (MSH unreadable) gives a minimal reject with ``|^~\\&``.
     """
     codec = _usable_codec(codec)
+    header = None if inbound is None else (
+        inbound.field_sep, inbound.encoding_chars, inbound.receiving_app, inbound.receiving_facility,
+        inbound.sending_app, inbound.sending_facility, inbound.trigger_event, inbound.processing_id,
+        inbound.version_id, inbound.charset)
+    # A sender's header is the same in every message: what the ACK takes from
+    # it is built once (bounded: the fields are the sender's, of any size).
+    if header is None or sum(map(len, header)) + len(text) <= _TEMPLATE_MAX_CHARS:
+        template = _ack_template(header, code, text, error_code, severity, codec)
+    else:
+        template = _ack_template.__wrapped__(header, code, text, error_code, severity, codec)
+    delims, head, mid, before_msa2, tail = template
     if inbound is not None:
-        delims = _delims(inbound.field_sep, inbound.encoding_chars)
+        msa2 = delims.escape_framing(_recode(inbound.control_id, codec)) or delims.escape_framing(
+            _recode(inbound_control_id, codec))
+    else:
+        msa2 = delims.escape_framing(_recode(inbound_control_id, codec))
+    msh10 = new_control_id() if control_id is None else delims.escape_framing(control_id)
+    text_out = head + _timestamp(now, delims.all_delimiters) + mid + msh10 + before_msa2 + msa2 + tail
+    return text_out.encode(codec, errors="replace")
+
+
+#: The longest header (its copied fields and MSA-3) whose ACK template is cached.
+_TEMPLATE_MAX_CHARS = 1024
+
+
+@functools.lru_cache(maxsize=256)
+def _ack_template(
+    header: tuple[str, ...] | None, code: AckCode, text: str, error_code: int | None, severity: str, codec: str
+) -> tuple[_Delims, str, str, str, str]:
+    """The ACK's text around MSH-7, MSH-10 and MSA-2 (the parts that change per message).
+
+    ``head`` + MSH-7 + ``mid`` + MSH-10 + ``before_msa2`` + MSA-2 + ``tail``
+    is the ACK (see ``build_ack``); ``header`` is the inbound MSH's
+    delimiters and the fields the ACK copies, None for a minimal reject.
+    """
+    if header is not None:
+        (field_sep, encoding_chars, receiving_app, receiving_facility, sending_app, sending_facility,
+         trigger_event, processing_id_raw, version_id_raw, charset_raw) = header
+        delims = _delims(field_sep, encoding_chars)
     else:
         delims = _delims(DEFAULT_FIELD_SEP, DEFAULT_ENCODING_CHARS)
 
     def copied(raw: str) -> str:
         return delims.escape_framing(_recode(raw, codec))
 
-    if inbound is not None:
-        trigger = copied(inbound.trigger_event)
+    if header is not None:
+        trigger = copied(trigger_event)
         # MSH-11/12 copied, never a made-up value — an empty MSH-11
         # stays empty. Only a header so broken that MSH-12 is missing too (a
         # minimal reject) gets defaults: the ERR layout depends on the version.
-        processing_id = copied(inbound.processing_id)
-        version_id = copied(inbound.version_id)
+        processing_id = copied(processing_id_raw)
+        version_id = copied(version_id_raw)
         # MSH-12.1 (the version itself) is what a reader requires: "^^^" is missing too.
         if not version_id.split(delims.component, 1)[0]:
             processing_id = processing_id or _DEFAULT_PROCESSING_ID
             version_id = _DEFAULT_VERSION
         version = _version_tuple(version_id, delims.component)
-        swapped = [
-            copied(inbound.receiving_app),
-            copied(inbound.receiving_facility),
-            copied(inbound.sending_app),
-            copied(inbound.sending_facility),
-        ]
-        msa2 = copied(inbound.control_id) or copied(inbound_control_id)
-        charset = copied(inbound.charset)
+        swapped = [copied(receiving_app), copied(receiving_facility), copied(sending_app), copied(sending_facility)]
+        charset = copied(charset_raw)
     else:
         trigger = ""
         processing_id = _DEFAULT_PROCESSING_ID
         version_id = _DEFAULT_VERSION
         version = (2, 5, 0)
         swapped = ["", "", "", ""]
-        msa2 = copied(inbound_control_id)
         charset = ""
 
     # MSH-9 is ACK^<trigger>^ACK for every version. Before v2.3.1 the
     # third component (message structure) was not defined; receivers of
     # those versions ignore a component they do not know.
     msh9 = delims.component.join(("ACK", trigger, "ACK")) if trigger else "ACK"
-
-    msh = [
-        "MSH",
-        delims.encoding_chars,
-        *swapped,  # MSH-3..6
-        _timestamp(now, delims.all_delimiters),  # MSH-7
-        "",  # MSH-8 security
-        msh9,
-        new_control_id() if control_id is None else delims.escape_framing(control_id),  # MSH-10
-        processing_id,  # MSH-11, copied verbatim (never a hard-coded P)
-        version_id,  # MSH-12, copied verbatim
-    ]
+    after_msh10 = [processing_id, version_id]  # MSH-11, MSH-12, copied verbatim (never a hard-coded P)
     if charset:
-        msh.extend(["", "", "", "", "", charset])  # MSH-13..17 empty, MSH-18
+        after_msh10.extend(["", "", "", "", "", charset])  # MSH-13..17 empty, MSH-18
 
     accept = code in _ACCEPT_CODES
-    msa = ["MSA", str(code), msa2, delims.escape_text(text)]
-    segments = [msh, msa]
+    msa_rest = [delims.escape_text(text)]  # MSA-3, then (before v2.5, on errors) MSA-4..6
+    err: list[list[str]] = []
     if not accept:
         err_code = error_code if error_code is not None else 207
         err_text = delims.escape_text(TABLE_0357.get(err_code, "Application internal error"))
         if version >= (2, 5, 0):
             # ERR-3 (CWE, table 0357) and ERR-4 severity exist from v2.5.
             err3 = delims.component.join((str(err_code), err_text, "HL70357"))
-            segments.append(["ERR", "", "", err3, severity])
+            err.append(["ERR", "", "", err3, severity])
         else:
             # v2.1-2.4: ERR-1 ELD = segment^sequence^field^code(CE, as subcomponents),
             # and MSA-6 CE error condition.
             ce_sub = delims.subcomponent.join((str(err_code), err_text, "HL70357"))
-            segments.append(["ERR", delims.component * 3 + ce_sub])
-            msa.extend(["", "", delims.component.join((str(err_code), err_text, "HL70357"))])
+            err.append(["ERR", delims.component * 3 + ce_sub])
+            msa_rest.extend(["", "", delims.component.join((str(err_code), err_text, "HL70357"))])
 
-    text_out = "".join(delims.field.join(seg) + "\r" for seg in segments)
-    return text_out.encode(codec, errors="replace")
+    f = delims.field
+    # MSH|MSH-2|MSH-3..6| <MSH-7> |MSH-8|MSH-9| <MSH-10> |MSH-11...\rMSA|MSA-1| <MSA-2> |MSA-3...\r[ERR...\r]
+    head = f.join(["MSH", delims.encoding_chars, *swapped]) + f
+    mid = f + "" + f + msh9 + f
+    before_msa2 = f + f.join(after_msh10) + "\r" + "MSA" + f + str(code) + f
+    tail = f + f.join(msa_rest) + "\r" + "".join(f.join(seg) + "\r" for seg in err)
+    return delims, head, mid, before_msa2, tail
 
 
 def _wanted(ack_type: str, success: bool) -> bool:

@@ -125,12 +125,31 @@ def _quoted(name: str) -> str:
     return repr(name[:40] + ("..." if len(name) > 40 else ""))
 
 
+#: text_codec's answers by name: every message and every ACK asks it, with the
+#: few names a site's senders use. Bounded in count and name length (the
+#: name comes from the sender's MSH-18): a flood of odd names is answered
+#: uncached, as before.
+_TEXT_CODEC_CACHE: dict[str, str | None] = {}
+_TEXT_CODEC_CACHE_SIZE = 256
+
+
 def text_codec(name: str) -> str | None:
     """The canonical Python codec of a table 0211 name or a Python name of one, else None.
 
     None for UTF-16/32 (forbidden with MLLP), for transforms and for anything
     that is no character set. Never raises.
     """
+    try:
+        return _TEXT_CODEC_CACHE[name]
+    except KeyError:
+        pass
+    codec = _text_codec(name)
+    if len(name) <= 64 and len(_TEXT_CODEC_CACHE) < _TEXT_CODEC_CACHE_SIZE:
+        _TEXT_CODEC_CACHE[name] = codec
+    return codec
+
+
+def _text_codec(name: str) -> str | None:
     stripped = name.strip()
     if not _NAME.fullmatch(stripped):
         return None
@@ -173,6 +192,10 @@ def resolve_codec(msh18: str, channel_encoding: str) -> str:
     return _resolve_one(channel_encoding if channel_encoding.strip() else "utf-8")
 
 
+#: A blank segment after the first: CR, whitespace or nothing, CR (``\s`` is what ``str.strip`` strips).
+_BLANK_SEGMENT = re.compile(r"\r[^\S\r]*\r")
+
+
 def decode_message(data: bytes, codec: str) -> str:
     """Decode strictly and normalise segment ends to ``\\r``: the upstream ``body`` (docs/protocol.md#transmit).
 
@@ -189,6 +212,8 @@ def decode_message(data: bytes, codec: str) -> str:
         ) from None
     except LookupError:
         raise UnsupportedCharset(f"unknown character set {codec!r}", error_code=102) from None
+    if text.startswith("MSH") and text.endswith("\r") and "\n" not in text and _BLANK_SEGMENT.search(text) is None:
+        return text  # already normalised (what senders send): the steps below would return it unchanged
     text = text.lstrip("\ufeff\r\n \t")
     text = text.replace("\r\n", "\r").replace("\n", "\r")
     segments = [seg for seg in text.split("\r") if seg.strip()]

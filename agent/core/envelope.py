@@ -14,6 +14,7 @@ the whole message live in ``agent.core.charsets``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 # decode_message: dispatcher.py still imports it from here (its own step moves that import).
@@ -42,6 +43,9 @@ _LEADING_JUNK = b"\r\n \t"
 _UTF8_BOM = b"\xef\xbb\xbf"
 
 
+_object_setattr = object.__setattr__
+
+
 class NoMshSegment(EnvelopeError):
     """The frame does not start with an MSH segment: no ACK is owed, audit only (docs/acks.md#frames-that-get-no-answer)."""
 
@@ -62,9 +66,14 @@ class MalformedMsh(EnvelopeError):
         self.partial = partial
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Envelope:
-    """The MSH fields intake and ACK building need (latin-1 "bytes as text")."""
+    """The MSH fields intake and ACK building need (latin-1 "bytes as text").
+
+    Frozen; built once per message, so ``__init__`` fills the instance's
+    dictionary in one step (a frozen dataclass's own sets each of the sixteen
+    fields through ``object.__setattr__``: a fifth of reading the MSH).
+    """
 
     field_sep: str  # MSH-1
     encoding_chars: str  # MSH-2 as sent: component, repetition, escape, subcomponent[, truncation]
@@ -82,6 +91,21 @@ class Envelope:
     accept_ack_type: str  # MSH-15 ("" when absent)
     application_ack_type: str  # MSH-16 ("" when absent)
     charset: str  # MSH-18 first repetition ("" when absent)
+
+    def __init__(
+        self, field_sep: str, encoding_chars: str, sending_app: str, sending_facility: str, receiving_app: str,
+        receiving_facility: str, message_type: str, message_code: str, trigger_event: str, control_id: str,
+        processing_id: str, version_id: str, sequence_number: str, accept_ack_type: str,
+        application_ack_type: str, charset: str,
+    ) -> None:
+        _object_setattr(self, "__dict__", {
+            "field_sep": field_sep, "encoding_chars": encoding_chars, "sending_app": sending_app,
+            "sending_facility": sending_facility, "receiving_app": receiving_app,
+            "receiving_facility": receiving_facility, "message_type": message_type, "message_code": message_code,
+            "trigger_event": trigger_event, "control_id": control_id, "processing_id": processing_id,
+            "version_id": version_id, "sequence_number": sequence_number, "accept_ack_type": accept_ack_type,
+            "application_ack_type": application_ack_type, "charset": charset,
+        })
 
     def _enc(self, index: int) -> str:
         chars = self.encoding_chars
@@ -159,22 +183,24 @@ def _usable_delimiter(ch: str) -> bool:
     return "!" <= ch <= "~" and not ch.isalnum()
 
 
-def _check_separators(field_sep: str, encoding_chars: str) -> None:
-    """Raise MalformedMsh when MSH-1/MSH-2 cannot serve as delimiters (HL7 2.5 ch. 2.5.4)."""
+@functools.lru_cache(maxsize=64)
+def _separators_problem(field_sep: str, encoding_chars: str) -> tuple[str, int] | None:
+    """Why MSH-1/MSH-2 cannot serve as delimiters (HL7 2.5 ch. 2.5.4): (text, error code), or None."""
     if not field_sep or not _usable_delimiter(field_sep):
-        raise MalformedMsh(f"MSH-1 field separator {field_sep!r} is unusable", error_code=102)
+        return f"MSH-1 field separator {field_sep!r} is unusable", 102
     if not encoding_chars:
-        raise MalformedMsh("MSH-2 encoding characters missing", error_code=101)
+        return "MSH-2 encoding characters missing", 101
     if len(encoding_chars) > 5:
-        raise MalformedMsh("MSH-2 has more than 5 encoding characters", error_code=102)
+        return "MSH-2 has more than 5 encoding characters", 102
     # Missing trailing ones default (sloppy senders send "^~\"); the effective
     # set must still be distinct, non-alphanumeric and not the field separator.
     effective = encoding_chars + DEFAULT_ENCODING_CHARS[len(encoding_chars) :]
     for ch in effective:
         if not _usable_delimiter(ch) or ch == field_sep:
-            raise MalformedMsh(f"MSH-2 encoding character {ch!r} is unusable", error_code=102)
+            return f"MSH-2 encoding character {ch!r} is unusable", 102
     if len(set(effective)) != len(effective):
-        raise MalformedMsh("MSH-2 encoding characters are not distinct", error_code=102)
+        return "MSH-2 encoding characters are not distinct", 102
+    return None
 
 
 def read_msh(data: bytes) -> Envelope:
@@ -190,33 +216,35 @@ def read_msh(data: bytes) -> Envelope:
     field_sep = segment[3]
     fields = segment.split(field_sep)
     encoding_chars = fields[1] if len(fields) > 1 else ""
-    _check_separators(field_sep, encoding_chars)
-
-    def field(number: int) -> str:
-        # MSH-1 is the separator itself, so MSH-n is fields[n - 1].
-        return fields[number - 1] if len(fields) >= number else ""
-
+    # A sender's pair is checked once (a long MSH-2 is wrong anyway: not cached).
+    check = _separators_problem if len(encoding_chars) <= 5 else _separators_problem.__wrapped__
+    problem = check(field_sep, encoding_chars)
+    if problem is not None:
+        raise MalformedMsh(problem[0], error_code=problem[1])
+    # MSH-1 is the separator itself, so MSH-n is fields[n - 1]; absent fields are "".
+    if len(fields) < 18:
+        fields.extend([""] * (18 - len(fields)))
     effective = encoding_chars + DEFAULT_ENCODING_CHARS[len(encoding_chars) :]
-    comp, rep = effective[0], effective[1]
-    message_type = field(9)
-    type_parts = message_type.split(comp)
+    comp = effective[0]
+    message_type = fields[8]
+    type_parts = message_type.split(comp, 2)
     envelope = Envelope(
-        field_sep=field_sep,
-        encoding_chars=encoding_chars,
-        sending_app=field(3),
-        sending_facility=field(4),
-        receiving_app=field(5),
-        receiving_facility=field(6),
-        message_type=message_type,
-        message_code=type_parts[0].strip(),
-        trigger_event=type_parts[1].strip() if len(type_parts) > 1 else "",
-        control_id=field(10),
-        processing_id=field(11),
-        version_id=field(12),
-        sequence_number=field(13),
-        accept_ack_type=field(15).strip(),
-        application_ack_type=field(16).strip(),
-        charset=field(18).split(rep, 1)[0].strip(),
+        field_sep,
+        encoding_chars,
+        fields[2],  # MSH-3
+        fields[3],  # MSH-4
+        fields[4],  # MSH-5
+        fields[5],  # MSH-6
+        message_type,  # MSH-9
+        type_parts[0].strip(),
+        type_parts[1].strip() if len(type_parts) > 1 else "",
+        fields[9],  # MSH-10
+        fields[10],  # MSH-11
+        fields[11],  # MSH-12
+        fields[12],  # MSH-13
+        fields[14].strip(),  # MSH-15
+        fields[15].strip(),  # MSH-16
+        fields[17].split(effective[1], 1)[0].strip(),  # MSH-18, first repetition
     )
     # Required fields intake relies on (HL7 table 0357: 101 required field missing).
     if not envelope.message_code:

@@ -199,6 +199,9 @@ class IntakeConnection:
 
     def next_deadline(self) -> float | None:
         """When ``tick()`` is next due (monotonic), if ever."""
+        if (self.phase is Phase.OPEN and self._resume_at is None and self._frame_left is None
+                and not self.policy.idle_timeout and not self._unstored):
+            return None  # between frames, no idle_timeout: what the shell asks twice per message
         due: list[float] = []
         if self._resume_at is not None:
             due.append(self._resume_at)
@@ -457,8 +460,12 @@ class IntakeConnection:
                 self._resume_at = self.clock.monotonic() + JUNK_READ_PAUSE
                 return
             feed = False
-            chunk = bytes(self._unread[:FEED_CHUNK])
-            del self._unread[:FEED_CHUNK]
+            if len(self._unread) <= FEED_CHUNK:  # the common case: all of it, one copy
+                chunk = bytes(self._unread)
+                self._unread.clear()
+            else:
+                chunk = bytes(self._unread[:FEED_CHUNK])
+                del self._unread[:FEED_CHUNK]
             was_mid_frame = self._decoder.mid_frame
             events = self._decoder.feed(chunk)
             self._time_frame(was_mid_frame, events)
@@ -491,7 +498,9 @@ class IntakeConnection:
         self._slots.append(slot)
         payload = event.payload if isinstance(event, mllp.Frame) else event.prefix
         try:
-            batch = batch_.split_batch(payload) if isinstance(event, mllp.Frame) else None
+            # A frame that starts "MSH" is no batch (FHS/BHS, after blank lines or a BOM): no scan.
+            batch = (batch_.split_batch(payload) if isinstance(event, mllp.Frame) and payload[:3] != b"MSH"
+                     else None)
             if batch is not None:
                 decision = intake_batch.decide_batch(payload, batch, self.policy, received_at)
             elif isinstance(event, mllp.Frame):
@@ -548,7 +557,7 @@ class IntakeConnection:
                 self._emit(effect)
                 self._actions.extend(effect.then)
             else:
-                self._emit(effect)
+                self._actions.append(effect)  # self._emit, inlined on the per-message path
         if decision.batch is not None:
             ticket = next(self._tickets)
             slot.batch = decision.batch
@@ -558,7 +567,7 @@ class IntakeConnection:
             ticket = next(self._tickets)
             slot.message = decision.commit
             self._commits[ticket] = slot
-            self._emit(Commit(ticket, (decision.commit,)))
+            self._actions.append(Commit(ticket, (decision.commit,)))
         else:
             self._settle(slot, decision.reply)
 
@@ -605,7 +614,7 @@ class IntakeConnection:
         if self.phase in WRITING:
             # Whatever the ACK's origin (built here, the server's text, a row
             # an older version stored): exactly one frame goes out.
-            self._emit(Send(mllp.encode_ack_frame(ack), message_id, relayed, also))
+            self._actions.append(Send(mllp.encode_ack_frame(ack), message_id, relayed, also))
         else:
             self._record_write(message_id, relayed, delivered=False, also=also)
 
@@ -614,8 +623,9 @@ class IntakeConnection:
         if message_id is None or self.phase is Phase.HANDED_OVER:
             return
         outcome = AckOutcome.DELIVERED if delivered else AckOutcome.UNDELIVERED
-        for each in (message_id, *also):
-            self._emit(RecordOutcome(each, outcome))
+        self._actions.append(RecordOutcome(message_id, outcome))
+        for each in also:
+            self._actions.append(RecordOutcome(each, outcome))
         if relayed:
             self._emit(Log("info", "application_ack_relayed" if delivered else "application_ack_undelivered",
                            {"id": message_id}))

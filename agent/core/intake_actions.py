@@ -1,10 +1,13 @@
 """What an intake connection asks its shell to do, and the table of its phases.
 
-Actions are frozen dataclasses handed out by ``IntakeConnection.next_actions``
+Actions are dataclasses handed out by ``IntakeConnection.next_actions``
 (agent.core.intake); besides these, the policy's effects (``Audit``,
 ``RecordOutcome``, ``Log``, ``Count``, ``Committed``, agent.core.intake_types)
 travel the same way. Each action that needs an answer names the
-connection method the shell calls with it.
+connection method the shell calls with it. The ones made for every message
+(``Commit``, ``Send``) are plain slots classes, not frozen: each is consumed
+once by the shell, and a frozen dataclass's ``__init__`` (one
+``object.__setattr__`` per field) cost 2.5 times as much.
 
 The phases and their moves are one table (``PHASES``), h11's way: an
 illegal move is our bug and raises ``IllegalTransition``.
@@ -49,7 +52,7 @@ class Clock(Protocol):
 # -- actions: what the shell does for the connection --------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Commit:
     """Commit ``items`` (all or none); answer ``commit_done`` or ``commit_failed`` with ``ticket``."""
 
@@ -57,7 +60,7 @@ class Commit:
     items: tuple[NewMessage, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Send:
     """Write ``frame`` (one MLLP-framed ACK) in its own write; answer ``written(send, ok)``."""
 
@@ -67,7 +70,7 @@ class Send:
     also: tuple[str, ...] = ()  # further rows the write settles (the members of an ACK batch)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AwaitApplicationAck:
     """Ask the relay for the row's application ACK until ``deadline`` (monotonic; None: no limit).
 
@@ -79,7 +82,7 @@ class AwaitApplicationAck:
     deadline: float | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StopWaiting:
     """The ACK awaited under ``token`` is no longer wanted: stop asking."""
 
@@ -124,6 +127,10 @@ Action = (Commit | Send | AwaitApplicationAck | StopWaiting | HandOver | HalfClo
 
 class Phase(Enum):
     """Where a connection stands."""
+
+    # By identity, as members compare: Enum's own __hash__ is a Python call, and
+    # the phase is looked up in READING/WRITING/DONE a dozen times per message.
+    __hash__ = object.__hash__
 
     OPEN = "open"  # reading and handling frames
     FINISHING = "finishing"  # asked to close: reading until the frame in progress is complete

@@ -25,7 +25,9 @@ from agent.core import acks, charsets, envelope
 from agent.core.acks import AckCode, Outcome
 from agent.core.envelope import Envelope, MalformedMsh, NoMshSegment
 from agent.core.intake_types import (
+    COMMITTED,
     NO_REPLY,
+    RECEIVED,
     AckMode,
     Audit,
     AuditRecord,
@@ -94,7 +96,7 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float, *, a
             return refuse(exc.partial, payload, Outcome.MALFORMED, exc.error_code, exc.text, received_at,
                           codec=codec_or_default(exc.partial, policy), ack_always=ack_always)
         env = exc.partial  # an inbound ACK is never answered, even a sloppy one
-    received = Count(Counter.MESSAGE_RECEIVED)
+    received = RECEIVED
     if env.is_ack:
         # A sender acknowledging what we relayed: recorded, never queued or answered.
         record = AuditRecord(payload, "0", "inbound ACK recorded", env, received_at=received_at)
@@ -112,10 +114,11 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float, *, a
     if refused is not None:
         return refuse(env, payload, Outcome.UNSUPPORTED, refused[0], refused[1], received_at, codec=codec,
                       first=(received,), ack_always=ack_always)
-    ack_mode: AckMode = "enhanced" if env.enhanced else policy.ack
+    enhanced = env.enhanced
+    ack_mode: AckMode = "enhanced" if enhanced else policy.ack
     commit_ack = None
     if ack_always or (ack_mode != "application" and acks.commit_ack_wanted(env, success=True)):
-        commit_ack = acks.build_ack(env, acks.ack_code(Outcome.COMMITTED, env.enhanced), codec=codec)
+        commit_ack = acks.build_ack(env, acks.ack_code(Outcome.COMMITTED, enhanced), codec=codec)
     return Decision((received,), commit=NewMessage(env, payload, codec, text, ack_mode, commit_ack, received_at))
 
 
@@ -148,9 +151,9 @@ def unsupported_reason(
     ``message_types`` entries are "ADT" (every event) or "ADT^A01"; a version
     "2.5" also admits "2.5.1". Empty lists restrict nothing.
     """
-    code = env.message_code.upper()
-    event = env.trigger_event.upper()
     if message_types:
+        code = env.message_code.upper()
+        event = env.trigger_event.upper()
         codes = {t.split("^", 1)[0] for t in message_types}
         if code not in codes:
             return 200, f"message type {code} is not accepted on this channel"
@@ -223,6 +226,14 @@ def replies_for(message: NewMessage, result: CommitResult, policy: ChannelPolicy
                 ack_always: bool = False) -> Decision:
     """The store's answer for ``message``: the ACKs it is owed, or why it was not accepted."""
     env = message.envelope
+    if result.outcome == "accepted":
+        # Debug, not info: a line per message cost a fifth of intake's CPU (bench/README.md).
+        first: tuple[Effect, ...] = (
+            Log("debug", "message_committed", {"control_id": env.control_id, "message_type": env.message_type,
+                                               "id": result.message_id, "seq": result.seq}),
+            COMMITTED, Committed(result.message_id))
+        return final_acks(env, message.codec, result.message_id, message.ack_mode, policy,
+                          commit_ack=message.commit_ack, app_ack=None, first=first)
     ids = {"control_id": env.control_id, "message_type": env.message_type, "id": result.message_id}
     if result.outcome == "backpressure":
         return refuse(env, message.body, Outcome.RESEND_LATER, 207, "queue full: message not accepted, resend later",
@@ -234,12 +245,6 @@ def replies_for(message: NewMessage, result: CommitResult, policy: ChannelPolicy
                       message.received_at, codec=message.codec,
                       first=(Log("warning", "control_id_reused_with_other_body",
                                  {**ids, "prior_id": result.message_id}),), ack_always=ack_always)
-    if result.outcome == "accepted":
-        # Debug, not info: a line per message cost a fifth of intake's CPU (bench/README.md).
-        first: tuple[Effect, ...] = (Log("debug", "message_committed", {**ids, "seq": result.seq}),
-                                     Count(Counter.MESSAGE_COMMITTED), Committed(result.message_id))
-        return final_acks(env, message.codec, result.message_id, message.ack_mode, policy,
-                          commit_ack=message.commit_ack, app_ack=None, first=first)
     # A retransmit: the final ACK replayed byte for byte (docs/acks.md#retransmits-and-dedupe).
     replayed = Log("info", "retransmit_answered_from_dedupe", {**ids, "prior_state": result.prior_state})
     return final_acks(env, message.codec, result.message_id, result.ack_mode, policy,
@@ -258,11 +263,11 @@ def final_acks(
     first: tuple[Effect, ...] = (),
 ) -> Decision:
     """What a committed row's sender gets, per mode (docs/acks.md#original-and-enhanced-mode)."""
-    effects = list(first)
     if ack_mode == "commit":
         if commit_ack is None:
-            return Decision((*effects, RecordOutcome(message_id, AckOutcome.NOT_OWED)))
-        return Decision(tuple(effects), OwedReply((OwedFrame(commit_ack, message_id),)))
+            return Decision((*first, RecordOutcome(message_id, AckOutcome.NOT_OWED)))
+        return Decision(first, OwedReply((OwedFrame(commit_ack, message_id),)))
+    effects = list(first)
     if ack_mode == "enhanced":
         # MSH-15 governed the commit ACK (built before the commit); MSH-16 governs the application ACK.
         frames = [] if commit_ack is None else [OwedFrame(commit_ack)]

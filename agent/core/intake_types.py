@@ -1,12 +1,19 @@
 """The data intake's core, its policy, the connection shell and the hand-over share.
 
-Frozen dataclasses only: a channel's intake settings (:class:`ChannelPolicy`),
-a message to commit (:class:`NewMessage`) and an audit row
+Dataclasses only, frozen but for the few made per message (see below): a
+channel's intake settings (:class:`ChannelPolicy`), a message to commit (:class:`NewMessage`) and an audit row
 (:class:`AuditRecord`) on their way to the store, the store's answer as the
 core reads it (:class:`CommitResult`), what a sender is owed
 (:class:`OwedReply`, :class:`Owed` — also what travels to a successor at an
 upgrade, agent.runtime.adoption), and the effects a policy decision asks
 for (:class:`Decision`).
+
+:class:`NewMessage`, :class:`Decision`, :class:`Log`, :class:`RecordOutcome`
+and :class:`Committed` are built for every message and read once: plain
+slots classes, not frozen (a frozen dataclass's ``__init__`` sets each field
+through ``object.__setattr__``, 2.5 times the cost). Nothing changes them
+after they are made. The counts every message makes are shared constants
+(:data:`RECEIVED`, :data:`COMMITTED`).
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from agent.core.envelope import Envelope
 from agent.core.states import AckOutcome
 
 __all__ = [
+    "COMMITTED",
     "NOTHING_OWED",
     "NO_REPLY",
+    "RECEIVED",
     "AckMode",
     "Audit",
     "AuditRecord",
@@ -66,7 +75,7 @@ class ChannelPolicy:
 # -- what goes to the store ------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NewMessage:
     """A frame that passed every check before the store's: one row to commit."""
 
@@ -184,7 +193,7 @@ NO_REPLY = OwedReply()
 # -- effects ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Log:
     """A log line: a snake_case event stating a fact, and ids and codes (never message bytes)."""
 
@@ -209,6 +218,11 @@ class Count:
     label: str = ""
 
 
+#: The counts of every message, made once.
+RECEIVED = Count(Counter.MESSAGE_RECEIVED)
+COMMITTED = Count(Counter.MESSAGE_COMMITTED)
+
+
 @dataclass(frozen=True, slots=True)
 class Audit:
     """Keep ``record`` as an audit row; ``then`` is logged only if the row is kept.
@@ -223,7 +237,7 @@ class Audit:
     then: tuple[Log, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RecordOutcome:
     """Record whether the source got the row's final ACK (docs/queue.md#ack-outcome)."""
 
@@ -231,7 +245,7 @@ class RecordOutcome:
     outcome: AckOutcome
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Committed:
     """A row was committed: the dispatcher may have work."""
 
@@ -241,7 +255,7 @@ class Committed:
 Effect = Log | Count | Audit | RecordOutcome | Committed
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     """What to do with one frame (or with its commit's result)."""
 

@@ -37,6 +37,10 @@ class MinuteHistory:
         #: minute number (Unix seconds // 60) -> [in, out, depth or None]
         self._buckets: dict[int, list[Any]] = {}
         self.started_at = clock()
+        #: The bucket of the minute ``count_in`` last counted in, and that minute's
+        #: bounds: a message per call, so the common case is one comparison.
+        self._current: list[Any] = [0, 0, None]
+        self._current_from = self._current_to = 0.0
 
     def _bucket(self, minute: int) -> list[Any]:
         """The bucket of ``minute`` (the lock held); a new minute drops those out of the window."""
@@ -46,13 +50,21 @@ class MinuteHistory:
             oldest = minute - self._minutes
             for old in [m for m in self._buckets if m <= oldest]:
                 del self._buckets[old]
+            if self._current_from <= oldest * 60:  # count_in's bucket just left the window
+                self._current_from = self._current_to = 0.0
         return bucket
 
     def count_in(self, n: int = 1) -> None:
         """``n`` messages committed and accepted by this process's listeners."""
-        minute = int(self._clock() // 60)
+        now = self._clock()
         with self._lock:
-            self._bucket(minute)[0] += n
+            if self._current_from <= now < self._current_to:
+                self._current[0] += n
+                return
+            minute = int(now // 60)
+            bucket = self._current = self._bucket(minute)
+            self._current_from, self._current_to = minute * 60, (minute + 1) * 60
+            bucket[0] += n
 
     def count_out(self, n: int = 1) -> None:
         """``n`` rows settled by this process's dispatcher."""

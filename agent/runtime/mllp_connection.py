@@ -9,9 +9,10 @@ connection to a successor. Nothing is decided here: which ACK, in which
 order, when to stop reading is the core's. An accept ACK only ever comes
 from a commit result, after the row's COMMIT returned.
 
-Just over 400 lines on purpose: one method per kind of action the core hands
-back, each next to the asyncio.Protocol callback it answers, so a reader can
-check that every action is applied and nothing is decided here.
+About 550 lines on purpose: one method per kind of action the core hands
+back (``_APPLY``, at the end, maps each action type to its method), each next
+to the asyncio.Protocol callback it answers, so a reader can check that every
+action is applied and nothing is decided here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ipaddress
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -113,6 +115,12 @@ def audit_item(channel: str, remote: str, record: AuditRecord) -> AuditItem:
         control_id=env.control_id if env else "", message_type=env.message_type if env else "",
         ack_sent=record.ack_sent, received_at=record.received_at,
     )
+
+
+def _debug_enabled(logger: Any) -> bool:  # noqa: ANN401 - a structlog bound logger
+    """Whether ``logger`` writes debug lines (a logger that cannot say is asked every time)."""
+    enabled = getattr(logger, "is_enabled_for", None)
+    return True if enabled is None else bool(enabled(logging.DEBUG))
 
 
 def source_address(peer: Any) -> str:
@@ -213,6 +221,7 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         self._served = False  # admitted and counted by the listener
+        self._debug_logged = _debug_enabled(self.log)  # whether a debug line is written (one per message)
         self._lost = False
         self._reading = True
         self._running = False
@@ -232,6 +241,7 @@ class Connection(asyncio.Protocol):
             self.remote = format_peer(peer)
         self.source = source_address(peer)
         self.log = self.log.bind(peer=self.remote)
+        self._debug_logged = _debug_enabled(self.log)
         # No await between admission and opened(): the listener's count stays exact.
         if self._adopted is None and not self.listener.admit(self, peer):
             transport.close()
@@ -323,7 +333,7 @@ class Connection(asyncio.Protocol):
         try:
             while actions := core.next_actions():
                 for action in actions:
-                    self._apply(action)
+                    _APPLY[type(action)](self, action)  # self._apply(action), inlined: the hot loop
         finally:
             self._running = False
         transport = self._transport
@@ -356,43 +366,56 @@ class Connection(asyncio.Protocol):
         self._run()
 
     def _apply(self, action: Action) -> None:
+        # One dict lookup by the action's type (an isinstance chain cost up to
+        # a dozen checks per action, several actions per message).
+        _APPLY[type(action)](self, action)
+
+    def _send(self, action: Send) -> None:
         transport = self._transport
         assert transport is not None
-        if isinstance(action, Send):
-            ok = not transport.is_closing()
-            if ok:
-                transport.write(action.frame)
-            self.core.written(action, ok)
-        elif isinstance(action, Commit):
-            self._commit(action)
-        elif isinstance(action, Log):
-            getattr(self.log, action.level)(action.event, **action.fields)
-        elif isinstance(action, Count):
-            self._count(action)
-        elif isinstance(action, RecordOutcome):
-            # Bookkeeping that may be lost in a crash: rides along with the next commit.
-            self.ctx.writer.defer_ack_outcome(action.message_id, action.outcome)
-        elif isinstance(action, Audit):
-            self._audit(action.record)
-        elif isinstance(action, Committed):
-            if self.ctx.on_committed is not None:
-                self.ctx.on_committed(self.channel.name)
-        elif isinstance(action, AwaitApplicationAck):
-            self._await_ack(action)
-        elif isinstance(action, StopWaiting):
-            task = self._waits.pop(action.token, None)
-            if task is not None:
-                task.cancel()
-        elif isinstance(action, HandOver):
-            self._spawn(self._hand_over(action), "handover")
-        elif isinstance(action, HalfClose):
-            with contextlib.suppress(OSError, RuntimeError):
-                if transport.can_write_eof():
-                    transport.write_eof()
-        elif isinstance(action, Close):
-            transport.close()
-        elif isinstance(action, Abort):
-            transport.abort()
+        ok = not transport.is_closing()
+        if ok:
+            transport.write(action.frame)
+        self.core.written(action, ok)
+
+    def _log(self, action: Log) -> None:
+        if action.level == "debug" and not self._debug_logged:
+            return  # what the logger would do, without the call (message_committed: one per message)
+        getattr(self.log, action.level)(action.event, **action.fields)
+
+    def _record_outcome(self, action: RecordOutcome) -> None:
+        # Bookkeeping that may be lost in a crash: rides along with the next commit.
+        self.ctx.writer.defer_ack_outcome(action.message_id, action.outcome)
+
+    def _audit_action(self, action: Audit) -> None:
+        self._audit(action.record)
+
+    def _committed(self, action: Committed) -> None:
+        if self.ctx.on_committed is not None:
+            self.ctx.on_committed(self.channel.name)
+
+    def _stop_waiting(self, action: StopWaiting) -> None:
+        task = self._waits.pop(action.token, None)
+        if task is not None:
+            task.cancel()
+
+    def _hand_over_action(self, action: HandOver) -> None:
+        self._spawn(self._hand_over(action), "handover")
+
+    def _half_close(self, action: HalfClose) -> None:
+        transport = self._transport
+        assert transport is not None
+        with contextlib.suppress(OSError, RuntimeError):
+            if transport.can_write_eof():
+                transport.write_eof()
+
+    def _close(self, action: Close) -> None:
+        assert self._transport is not None
+        self._transport.close()
+
+    def _abort(self, action: Abort) -> None:
+        assert self._transport is not None
+        self._transport.abort()
 
     def _commit(self, action: Commit) -> None:
         # One frame, one row; an HL7 batch frame commits its members together as one
@@ -409,8 +432,9 @@ class Connection(asyncio.Protocol):
             self._run()
 
         partition = self.channel.partition
-        self.ctx.writer.intake([intake_item(channel, remote, message, partition) for message in action.items],
-                               done)
+        items = action.items
+        self.ctx.writer.intake([intake_item(channel, remote, items[0], partition)] if len(items) == 1
+                               else [intake_item(channel, remote, message, partition) for message in items], done)
 
     def _audit(self, record: AuditRecord) -> None:
         future = _submit(self.ctx.writer, SqliteStore.record_audit, audit_item(self.channel.name, self.remote, record))
@@ -497,3 +521,21 @@ class Connection(asyncio.Protocol):
                 task.cancel()
             self.log.info("connection_closed")
             self.listener.finished(self)
+
+
+#: How the shell applies each kind of action the core hands back.
+_APPLY: dict[type, Callable[[Connection, Any], None]] = {
+    Send: Connection._send,
+    Commit: Connection._commit,
+    Count: Connection._count,
+    Committed: Connection._committed,
+    RecordOutcome: Connection._record_outcome,
+    Log: Connection._log,
+    Audit: Connection._audit_action,
+    AwaitApplicationAck: Connection._await_ack,
+    StopWaiting: Connection._stop_waiting,
+    HandOver: Connection._hand_over_action,
+    HalfClose: Connection._half_close,
+    Close: Connection._close,
+    Abort: Connection._abort,
+}

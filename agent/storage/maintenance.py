@@ -8,9 +8,15 @@ Room for intake (docs/queue.md#backpressure): intake (messages and audit
 rows) may only use the disk down to ``min_free_disk_bytes``; everything below
 that floor is a reserve for the writes that free space or must never stop:
 claim, inflight, settle, lease, purges, vacuum, checkpoints. Free space is
-measured at the start of every commit batch (``Space.begin_batch``, not on a
-timer) and each intake of the batch is charged its estimated size against it,
-so a burst can overshoot the floor by at most one estimate's error.
+measured by the first intake of a commit batch, and each intake is charged
+its estimated size (a deliberate over-estimate) against that measurement —
+across batches too: a measurement serves the batches that follow it for at
+most ``SPACE_RECHECK_SECONDS`` or until ``SPACE_RECHECK_BYTES`` have been
+charged to it, and an intake is only ever refused on a measurement taken in
+its own batch. So a burst can overshoot the floor by at most one estimate's
+error, what others write in between is seen within a tenth of a second, and
+a commit of one message does not pay for two stat calls, a statvfs and two
+PRAGMAs.
 
 The room and file functions are SQLite-specific (PRAGMAs, the -wal file);
 the retention sweep (:func:`purge_retention`, :func:`reclaim`) runs named
@@ -53,6 +59,13 @@ __all__ = [
     "used_bytes",
 ]
 
+#: How long one free-space measurement serves the commit batches after it
+#: (what other processes and dispatch write meanwhile is seen this late)…
+SPACE_RECHECK_SECONDS = 0.1
+#: … and how many bytes of intake may be charged to it before the next batch
+#: measures again.
+SPACE_RECHECK_BYTES = 16 * 1024 * 1024
+
 #: Free pages a file keeps for its next rows rather than handing them back at
 #: once (4 MiB of 4 KiB pages): steady intake after a retention sweep reuses
 #: them instead of shrinking and regrowing the file. Under backpressure all go.
@@ -61,20 +74,42 @@ FREE_PAGE_SLACK = 1024
 
 @dataclass
 class Space:
-    """A store's limits and what the current commit batch has measured and spent."""
+    """A store's limits, the last free-space measurement and what intake has charged to it."""
 
     max_db_bytes: int = 0
     min_free_disk_bytes: int = 0
-    disk_free: int | None = None  # usable disk space at this batch's first intake
+    disk_free: int | None = None  # usable disk space when last measured (None: measure)
+    measured_at: float = field(default=float("-inf"))  # time.monotonic() of that measurement
+    fresh: bool = False  # measured during the current batch
+    spent: int = 0  # bytes charged to the measurement since it was taken
     batch_cost: int = 0  # bytes the intakes of this batch may have added
     page_size: int = 0
     #: time.monotonic() of the last intake refused for room.
     refused_at: float = field(default=float("-inf"))
 
     def begin_batch(self) -> None:
-        """A commit batch starts: the next intake measures the disk afresh."""
-        self.disk_free = None
+        """A commit batch starts: its intakes are charged anew; measure again if the last one is old."""
         self.batch_cost = 0
+        self.fresh = False
+        if self.disk_free is not None and (
+                self.spent >= SPACE_RECHECK_BYTES
+                or time.monotonic() - self.measured_at >= SPACE_RECHECK_SECONDS):
+            self.disk_free = None
+
+    def forget(self) -> None:
+        """The next check measures the disk afresh."""
+        self.disk_free = None
+
+    def measured(self, usable: int) -> None:
+        """A measurement taken now: what this batch has charged so far is not on the disk yet."""
+        self.disk_free = usable
+        self.measured_at = time.monotonic()
+        self.fresh = True
+        self.spent = self.batch_cost
+
+    def charge(self, cost: int) -> None:
+        self.batch_cost += cost
+        self.spent += cost
 
 
 def _pragma(store: StoreBase, name: str) -> int:
@@ -149,8 +184,22 @@ def room_problem(store: StoreBase, cost: int) -> tuple[str, bool] | None:
     if not floor:
         return None
     if space.disk_free is None:
-        space.disk_free = _usable_disk_bytes(store)
-    disk = space.disk_free - space.batch_cost - cost
+        space.measured(_usable_disk_bytes(store))
+    problem = _disk_problem(store, floor, cost)
+    if problem is not None and not space.fresh:
+        # Never refuse on an older measurement: the charges since are an
+        # over-estimate, and others may have freed space meanwhile.
+        space.measured(_usable_disk_bytes(store))
+        problem = _disk_problem(store, floor, cost)
+    return problem
+
+
+def _disk_problem(store: StoreBase, floor: int, cost: int) -> tuple[str, bool] | None:
+    space = store.space
+    assert space.disk_free is not None
+    disk = space.disk_free - space.spent - cost
+    if disk >= floor:
+        return None
     # Half the floor always stays really free on the disk: the WAL that
     # dispatch writes lives outside the file's free pages.
     if disk < floor // 2:
@@ -175,13 +224,13 @@ def over_limits(store: StoreBase, now: float, cost: int = 0) -> bool:
         if room_problem(store, cost) is not None:
             space.refused_at = time.monotonic()
             return True
-    space.batch_cost += cost
+    space.charge(cost)
     return False
 
 
 def pressure(store: StoreBase) -> str | None:
     """Why intake would refuse a message now (a fresh measurement), or None."""
-    store.space.begin_batch()
+    store.space.forget()
     problem = room_problem(store, 0)
     return problem[0] if problem else None
 

@@ -72,7 +72,7 @@ log = structlog.get_logger(__name__)
 PgConnection = psycopg.Connection[Any]
 
 #: The schema this code writes (queue/postgresql/migrations); versioned like SQLite's.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MIN_COMPATIBLE_VERSION = 1
 
 #: The agent's advisory lock (pg_advisory_xact_lock(int, int)): "HL7" and the write lock.

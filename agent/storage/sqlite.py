@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 #: The schema this code writes; migrations bring older files up to it.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: The oldest schema this code can still run against (forward compatibility:
 #: a newer file whose min_compatible_version is <= ours is fine).
 MIN_COMPATIBLE_VERSION = 1
@@ -305,6 +305,7 @@ def open_database(
     """The daemon's writer connection: creates, migrates and checks ownership."""
     conn = connect(db_path, options, create=True)
     try:
+        _writer_pragmas(conn)
         migrate(conn, agent_id, now)
     except sqlite3.Error as exc:
         conn.close()
@@ -313,6 +314,19 @@ def open_database(
         conn.close()
         raise
     return conn
+
+
+def _writer_pragmas(conn: sqlite3.Connection) -> None:
+    """What only the daemon's writer connection gets.
+
+    ``temp_store = MEMORY``: the sub-journal of a savepoint or a statement
+    (the pages it changed, to undo it alone) otherwise spills to a file in
+    /var/tmp once it passes 64 KiB — an open, writes, an unlink and a close
+    of a temporary file in a commit batch of a few messages. In memory it is
+    bounded by what one batch changes. Not on the reader or operator
+    connections, whose big sorts must not grow in RAM.
+    """
+    conn.execute("PRAGMA temp_store = MEMORY")
 
 
 def open_existing(db_path: Path, options: DatabaseOptions) -> sqlite3.Connection:

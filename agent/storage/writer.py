@@ -11,13 +11,15 @@ transaction and answers only after ``COMMIT`` returned — so an accept ACK can
 never precede its commit (docs/queue.md#the-promise). If COMMIT fails, every
 job of the batch fails.
 
-Inside the transaction each job runs in its own SAVEPOINT so a failing job
-does not sink the batch — except intake, which is checked up front instead:
-every intake group of the batch goes to ``SqliteStore.intake_groups`` at
-once (one statement per kind for the whole batch), under one SAVEPOINT; only
-if that fails are the groups taken again one by one, each in its own, so the
-failing one is found and its neighbours still commit. ``ack_outcome``
-bookkeeping rides along as one statement per batch.
+A batch of intake groups only (with its ``ack_outcome`` bookkeeping, one
+statement per batch) — the common one — runs without any SAVEPOINT: every
+group goes to ``SqliteStore.intake_groups`` at once (one statement per kind
+for the whole batch). If anything in it fails, the transaction is rolled
+back and the batch taken again the careful way. The careful way, and every
+batch with other jobs: each job in its own SAVEPOINT so a failing job does
+not sink the batch; the intake groups together under one, and only if that
+fails one by one, each in its own, so the failing one is found and its
+neighbours still commit.
 
 Answers go back to the event loop in one ``call_soon_threadsafe`` per loop
 per batch, not one per job: a thread hop costs a wake-up of the loop.
@@ -34,7 +36,7 @@ jobs are announced, a batch about to commit waits up to ``HOLD_SECONDS`` (and
 no longer than a batch's own work takes) for them, so every channel's settle
 rides the commit under way.
 
-About 490 lines on purpose: the writer and its small reader twin share
+About 560 lines on purpose: the writer and its small reader twin share
 the job plumbing (binding, answering on the caller's loop) and are read together.
 """
 
@@ -314,25 +316,66 @@ class Writer:
             # connection for good; fail what is still unanswered.
             self._answer(batch, StorageError(f"queue writer failed: {exc!r}"))
 
-    def _run_batch(self, batch: list[_AnyJob], deferred: list[_Job], outcomes: list[tuple[str, str]],
-                   *, stopping: bool = False) -> None:
+    def _begin(self, batch: list[_AnyJob]) -> Any:  # noqa: ANN401 - the dialect's connection
+        """BEGIN the batch's write transaction; None (every job failed) when it cannot start."""
         store = self.store
         dialect = store.dialect
-        started, waited = time.monotonic(), 0.0
         try:
             # On a database server the connection may have been lost since the
             # last batch: the store opens it again first (or fails at once).
             conn = store.begin_write()
         except StorageError as exc:
             self._fail_all(batch, exc)
-            return
+            return None
         except dialect.Error as exc:
             self._fail_all(batch, dialect.storage_error(exc))
-            return
-        # Intake measures free disk space once per batch, not on a timer: a
-        # burst cannot outrun the check and eat the reserve dispatch needs.
+            return None
+        # Intake's room is checked afresh for each batch (within the bounds of
+        # agent/storage/maintenance.py: Space), each intake charged against it.
         store.begin_batch()
+        return conn
+
+    def _run_plain(self, batch: list[_AnyJob], outcomes: list[tuple[str, str]]) -> None:
+        """A batch of intake groups and ACK outcomes only, without savepoints: any error raises."""
+        store = self.store
+        if outcomes:
+            store.set_ack_outcomes(outcomes)
+        jobs = [job for job in batch if isinstance(job, _IntakeJob)]
+        if jobs:
+            for job, results in zip(jobs, store.intake_groups([job.items for job in jobs]), strict=True):
+                job.ok, job.value = True, results
+
+    def _run_batch(self, batch: list[_AnyJob], deferred: list[_Job], outcomes: list[tuple[str, str]],
+                   *, stopping: bool = False) -> None:
+        dialect = self.store.dialect
+        started = time.monotonic()
+        conn = self._begin(batch)
+        if conn is None:
+            return
         changes = dialect.changes(conn)
+        if not deferred and all(isinstance(job, _IntakeJob) for job in batch):
+            # The common batch — intake and its bookkeeping, checked up front —
+            # runs without a savepoint (each costs statements and a copy of
+            # every page it changes). Should anything in it fail, the whole
+            # transaction is undone and the batch taken again below, each
+            # part in its own savepoint, so the failing one spares the rest.
+            try:
+                self._run_plain(batch, outcomes)
+            except Exception:  # noqa: BLE001 - any failure: the careful way finds whose it is
+                dialect.rollback(conn)
+                conn = self._begin(batch)
+                if conn is None:
+                    return
+                changes = dialect.changes(conn)
+            else:
+                try:
+                    waited = 0.0 if stopping else self._run_late(conn, batch)
+                except _TransactionLost as lost:
+                    self._fail_all(batch, lost.error)
+                    return
+                self._commit(conn, batch, changes, started + waited)
+                return
+        waited = 0.0
         try:
             if outcomes:
                 # Bookkeeping, validated up front; a failure costs only it.
@@ -352,6 +395,16 @@ class Writer:
         except _TransactionLost as lost:
             self._fail_all(batch, lost.error)
             return
+        self._commit(conn, batch, changes, started + waited)
+
+    def _commit(self, conn: Any, batch: list[_AnyJob], changes: int,  # noqa: ANN401 - the dialect's connection
+                since: float) -> None:
+        """COMMIT, then answer every job (all failed when COMMIT failed).
+
+        ``since``: when the batch began, moved on by the time it held for
+        announced jobs (the rest is its own work, which bounds the next hold).
+        """
+        dialect = self.store.dialect
         try:
             dialect.commit(conn)
         except dialect.Error as exc:
@@ -359,8 +412,7 @@ class Writer:
             self._fail_all(batch, dialect.storage_error(exc))
             return
         self.batches += 1
-        worked = time.monotonic() - started - waited
-        self._batch_seconds += 0.2 * (worked - self._batch_seconds)
+        self._batch_seconds += 0.2 * (time.monotonic() - since - self._batch_seconds)
         if dialect.changes(conn) != changes:
             self.last_write = time.monotonic()
         self._answer(batch)

@@ -698,6 +698,38 @@ def booted(lower: Path, tmp: Path, name: str) -> Iterator[NspawnMachine]:
         machine.poweroff()
 
 
+@dataclass
+class SystemdWorld:
+    """A booted machine with the release installed as docs/deploy.md says, and its upstream."""
+
+    machine: NspawnMachine
+    dev: DevServerThread
+    release: Release
+
+
+@contextlib.contextmanager
+def installed_systemd(tmp: Path, name: str, layout: str) -> Iterator[SystemdWorld]:
+    """docs/deploy.md word for word: ``systemd-prepare``, the edits, then the ``layout`` block.
+
+    ``layout`` is the doc block of the unit layout (``systemd-single`` or
+    ``systemd-pair``). The dev server listens in the machine's network
+    namespace; machine and server are stopped whatever happened.
+    """
+    require_root_and_kernel("systemd-nspawn", "debootstrap", "nsenter")
+    lower = debian_rootfs("debian12-systemd", SYSTEMD_PACKAGES, masks=MASKED_UNITS)
+    release = build_release(tmp)
+    with booted(lower, tmp / "machine", name) as machine:
+        install_release(machine, release)
+        dev = devserver_in(machine.netns, token=TOKEN, port=DEV_PORT)
+        try:
+            machine.sh(doc_block("systemd-prepare"), cwd="/root/release", timeout=300)
+            edit_production_config(machine, f"ws://127.0.0.1:{DEV_PORT}/agent")
+            machine.sh(doc_block(layout), cwd="/root/release", timeout=300)
+            yield SystemdWorld(machine, dev, release)
+        finally:
+            dev.stop()
+
+
 # --------------------------------------------------------------------------
 # podman in a namespace of its own
 

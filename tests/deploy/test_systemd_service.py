@@ -16,29 +16,18 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from agenttest import DevServerThread, ack_code, hl7_message, wait_for
+from agenttest import ack_code, hl7_message, wait_for
 from deploytest import (
-    DEV_PORT,
-    MASKED_UNITS,
     PORTS,
-    SYSTEMD_PACKAGES,
     TOKEN,
     Load,
     NspawnMachine,
-    Release,
-    booted,
-    build_release,
-    debian_rootfs,
-    devserver_in,
-    doc_block,
-    edit_production_config,
+    SystemdWorld,
     exchange_in,
-    install_release,
-    require_root_and_kernel,
+    installed_systemd,
 )
 
 pytestmark = [pytest.mark.deploy, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -47,43 +36,24 @@ UNIT = "hl7-agent.service"
 AGENT = "/opt/hl7-agent/bin/hl7-agent"
 
 
-@dataclass
-class World:
-    machine: NspawnMachine
-    dev: DevServerThread
-    release: Release
-
-
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    require_root_and_kernel("systemd-nspawn", "debootstrap", "nsenter")
-    lower = debian_rootfs("debian12-systemd", SYSTEMD_PACKAGES, masks=MASKED_UNITS)
-    tmp = tmp_path_factory.mktemp("systemd-service")
-    release = build_release(tmp)
-    with booted(lower, tmp / "machine", "hl7-agent-service") as machine:
-        install_release(machine, release)
-        dev = devserver_in(machine.netns, token=TOKEN, port=DEV_PORT)
-        try:
-            machine.sh(doc_block("systemd-prepare"), cwd="/root/release", timeout=300)
-            edit_production_config(machine, f"ws://127.0.0.1:{DEV_PORT}/agent")
-            machine.sh(doc_block("systemd-single"), cwd="/root/release", timeout=300)
-            yield World(machine, dev, release)
-        finally:
-            dev.stop()
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemdWorld]:
+    with installed_systemd(tmp_path_factory.mktemp("systemd-service"), "hl7-agent-service", "systemd-single") as world:
+        yield world
 
 
 def healthy(machine: NspawnMachine) -> bool:
     return machine.sh(f"{AGENT} health --config /etc/hl7-agent/agent.toml", check=False).returncode == 0
 
 
-def ensure_running(world: World) -> None:
+def ensure_running(world: SystemdWorld) -> None:
     """Each test starts from a running, healthy service."""
     world.machine.sh(f"systemctl start {UNIT}")
     wait_for(lambda: healthy(world.machine), 30, interval=0.2, what="hl7-agent health")
 
 
 class TestInstalledService:
-    def test_start_returns_after_ready(self, world: World) -> None:
+    def test_start_returns_after_ready(self, world: SystemdWorld) -> None:
         """The documented install is active; `systemctl restart` returns only after READY=1:
         the very next command finds the admin endpoint up and the daemon's own listener bound."""
         m = world.machine
@@ -96,7 +66,7 @@ class TestInstalledService:
         status = m.show(UNIT, "StatusText")
         assert status.startswith("listening on 2 channel(s)"), status
 
-    def test_documentation_links_exist(self, world: World) -> None:
+    def test_documentation_links_exist(self, world: SystemdWorld) -> None:
         """Every unit's Documentation= names a file the documented install created."""
         m = world.machine
         for unit in (UNIT, "hl7-agent.socket"):
@@ -106,7 +76,7 @@ class TestInstalledService:
                 assert url.startswith("file://"), url
                 m.sh(f"test -s {url.removeprefix('file://')}")
 
-    def test_round_trip_to_the_dev_server(self, world: World) -> None:
+    def test_round_trip_to_the_dev_server(self, world: SystemdWorld) -> None:
         """A message on each channel gets its AA and reaches the upstream server."""
         ensure_running(world)
         for channel, port in PORTS.items():
@@ -115,7 +85,7 @@ class TestInstalledService:
         wait_for(lambda: {"RT-adt-1", "RT-lab-1"} <= {t.control_id for t in list(world.dev.server.received)},
                  30, what="both messages at the dev-server")
 
-    def test_socket_activation(self, world: World) -> None:
+    def test_socket_activation(self, world: SystemdWorld) -> None:
         """With the service stopped, a connection to the socket unit's port starts it; the
         waiting connection is served from the inherited socket and gets its AA."""
         m = world.machine
@@ -132,7 +102,7 @@ class TestInstalledService:
 
 
 class TestHardening:
-    def test_the_running_process_is_confined(self, world: World) -> None:
+    def test_the_running_process_is_confined(self, world: SystemdWorld) -> None:
         """The daemon runs as hl7-agent with no capabilities, no new privileges and a seccomp
         filter; in its mount namespace only the state directory is writable."""
         m = world.machine
@@ -174,7 +144,7 @@ class TestHardening:
 
 
 class TestJournal:
-    def test_lines_carry_their_priority(self, world: World) -> None:
+    def test_lines_carry_their_priority(self, world: SystemdWorld) -> None:
         """`journalctl -p err` shows an error the daemon logged (the upstream refusing its token);
         every daemon line sits at its own level's priority and is still one JSON object."""
         m = world.machine
@@ -207,7 +177,7 @@ class TestJournal:
 
 
 class TestWatchdog:
-    def test_pings_at_half_the_period(self, world: World) -> None:
+    def test_pings_at_half_the_period(self, world: SystemdWorld) -> None:
         """With WatchdogSec=30 systemd records a WATCHDOG=1 every 15 s."""
         m = world.machine
         ensure_running(world)
@@ -224,7 +194,7 @@ class TestWatchdog:
         interval = (stamps[2][0] - stamps[1][0]) / 1_000_000
         assert 14.0 <= interval <= 16.0, f"pinged every {interval:.1f}s"
 
-    def test_frozen_daemon_is_killed_and_restarted(self, world: World) -> None:
+    def test_frozen_daemon_is_killed_and_restarted(self, world: SystemdWorld) -> None:
         """SIGSTOP freezes the event loop: no pings, so systemd kills the process after
         WatchdogSec and Restart=on-failure brings up a new one that serves."""
         m = world.machine
@@ -243,7 +213,7 @@ class TestWatchdog:
 
 
 class TestUnderLoad:
-    def test_crash_refuses_no_connection(self, world: World) -> None:
+    def test_crash_refuses_no_connection(self, world: SystemdWorld) -> None:
         """SIGKILL under load: systemd restarts the daemon and hands both listeners back (socket
         unit and fd store), so no sender is refused, on the daemon-bound channel either."""
         m = world.machine
@@ -262,7 +232,7 @@ class TestUnderLoad:
         # server that deduplicates, never a second row.
         load.assert_delivered_once_in_order(world.dev, allow_resend=True)
 
-    def test_stop_under_load_loses_nothing(self, world: World) -> None:
+    def test_stop_under_load_loses_nothing(self, world: SystemdWorld) -> None:
         """`systemctl stop` while senders send: the daemon drains and exits 0; after
         `systemctl start` every message that got an AA reaches the server once, in order."""
         m = world.machine

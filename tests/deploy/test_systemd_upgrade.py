@@ -17,28 +17,17 @@ upgrade rolled back (``test_upgrade_under_load`` failed that way).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
-from agenttest import DevServerThread, ack_code, hl7_message, wait_for
+from agenttest import ack_code, hl7_message, wait_for
 from deploytest import (
-    DEV_PORT,
-    MASKED_UNITS,
     PORTS,
-    SYSTEMD_PACKAGES,
-    TOKEN,
     Load,
     NspawnMachine,
-    Release,
-    booted,
-    build_release,
-    debian_rootfs,
-    devserver_in,
+    SystemdWorld,
     doc_block,
-    edit_production_config,
     exchange_in,
-    install_release,
-    require_root_and_kernel,
+    installed_systemd,
 )
 
 pytestmark = [pytest.mark.deploy, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -47,29 +36,10 @@ BLUE = "hl7-agent@blue.service"
 GREEN = "hl7-agent@green.service"
 
 
-@dataclass
-class World:
-    machine: NspawnMachine
-    dev: DevServerThread
-    release: Release
-
-
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    require_root_and_kernel("systemd-nspawn", "debootstrap", "nsenter")
-    lower = debian_rootfs("debian12-systemd", SYSTEMD_PACKAGES, masks=MASKED_UNITS)
-    tmp = tmp_path_factory.mktemp("systemd-upgrade")
-    release = build_release(tmp)
-    with booted(lower, tmp / "machine", "hl7-agent-pair") as machine:
-        install_release(machine, release)
-        dev = devserver_in(machine.netns, token=TOKEN, port=DEV_PORT)
-        try:
-            machine.sh(doc_block("systemd-prepare"), cwd="/root/release", timeout=300)
-            edit_production_config(machine, f"ws://127.0.0.1:{DEV_PORT}/agent")
-            machine.sh(doc_block("systemd-pair"), cwd="/root/release", timeout=300)
-            yield World(machine, dev, release)
-        finally:
-            dev.stop()
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemdWorld]:
+    with installed_systemd(tmp_path_factory.mktemp("systemd-upgrade"), "hl7-agent-pair", "systemd-pair") as world:
+        yield world
 
 
 def colour_events(m: NspawnMachine, unit: str, name: str) -> list[dict[str, object]]:
@@ -79,7 +49,7 @@ def colour_events(m: NspawnMachine, unit: str, name: str) -> list[dict[str, obje
 
 
 class TestPair:
-    def test_blue_serves_both_channels(self, world: World) -> None:
+    def test_blue_serves_both_channels(self, world: SystemdWorld) -> None:
         """After the documented install blue is active (green idle) and serves both channels."""
         m = world.machine
         assert m.show(BLUE, "ActiveState") == "active"
@@ -90,7 +60,7 @@ class TestPair:
         started = colour_events(m, BLUE, "agent_started")
         assert started and started[-1]["version"] == "1.0.0", started
 
-    def test_upgrade_under_load(self, world: World) -> None:
+    def test_upgrade_under_load(self, world: SystemdWorld) -> None:
         """upgrade.sh to 1.1.0 while senders send on both channels: green takes over, no
         connection is refused, every message gets its AA and reaches the server once, in order."""
         m = world.machine
@@ -115,7 +85,7 @@ class TestPair:
         assert load.refused == 0, load.report()
         load.assert_delivered_once_in_order(world.dev)
 
-    def test_rollback_under_load(self, world: World) -> None:
+    def test_rollback_under_load(self, world: SystemdWorld) -> None:
         """A new colour that never turns healthy (its admin endpoint disabled) is stopped after
         --timeout: upgrade.sh exits 1 saying so, green keeps serving, nothing refused or lost."""
         m = world.machine
@@ -140,7 +110,7 @@ class TestPair:
         wait_for(lambda: m.sh("test -S /var/lib/hl7-agent/handover.sock", check=False).returncode == 0, 10,
                  what="green's handover.sock again")
 
-    def test_upgrade_again_after_the_rollback(self, world: World) -> None:
+    def test_upgrade_again_after_the_rollback(self, world: SystemdWorld) -> None:
         """After the rollback the pair is consistent: switching to blue (1.0.0, already
         installed, so no --install) under load works like the first upgrade."""
         m = world.machine

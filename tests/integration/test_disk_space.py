@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,5 +134,51 @@ def test_purged_rows_go_back_to_the_filesystem(small_fs: Path) -> None:
         assert maintenance.checkpoint(store, "TRUNCATE") == (0, 0, 0)
         assert path.with_name("queue.db-wal").stat().st_size == 0
         assert free_bytes(small_fs) - full >= 7 * MiB
+    finally:
+        store.conn.close()
+
+
+def test_small_commits_share_one_free_space_measurement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One-message commits (a single sender) do not each pay for a statvfs: a measurement
+    serves the batches of the next SPACE_RECHECK_SECONDS. The real statvfs runs; the test only
+    counts the calls."""
+    path = tmp_path / "data" / "queue.db"
+    store = open_store(path, min_free_disk_bytes=MiB)
+    calls: list[int] = []
+    real = maintenance.free_disk_bytes
+
+    def counted(s: SqliteStore) -> int:
+        calls.append(1)
+        return real(s)
+
+    monkeypatch.setattr(maintenance, "free_disk_bytes", counted)
+    try:
+        started = time.monotonic()
+        for n in range(200):
+            with store.transaction() as s:
+                assert s.intake(item(f"S{n}", 100)).outcome == "accepted"
+        elapsed = time.monotonic() - started
+        assert 1 <= len(calls) <= 2 + elapsed / maintenance.SPACE_RECHECK_SECONDS, (len(calls), elapsed)
+    finally:
+        store.conn.close()
+
+
+def test_a_refusal_is_decided_on_a_measurement_of_its_own_batch(small_fs: Path) -> None:
+    """A measurement an earlier batch took near the floor does not refuse a message once space
+    came back in between: the batch measures again before it refuses."""
+    path = small_fs / "data" / "queue.db"
+    store = open_store(path)
+    store.conn.close()
+    floor = 4 * MiB
+    store = open_store(path, min_free_disk_bytes=floor)
+    hog = small_fs / "hog"
+    try:
+        with hog.open("wb") as f:  # leaves about 1.5 MiB above the floor (the WAL's 4 MiB promised)
+            f.write(b"\0" * (free_bytes(small_fs) - floor - 4 * MiB - 1536 * 1024))
+        with store.transaction() as s:
+            assert s.intake(item("NEAR", 100)).outcome == "accepted"
+        hog.unlink()
+        with store.transaction() as s:  # ~2 MiB: more than the old measurement left
+            assert s.intake(item("BIG", 1024 * 1024)).outcome == "accepted"
     finally:
         store.conn.close()

@@ -148,3 +148,17 @@ class TestTransactions:
         finally:
             holder.close()
             store.close()
+
+
+def test_the_writer_keeps_sub_journals_in_memory(path: Path) -> None:
+    """The writer's connection has temp_store = MEMORY: a savepoint's or statement's sub-journal
+    past 64 KiB no longer spills to a temporary file (open, write, unlink, close in a commit
+    batch). Other connections keep the default, so an operator's big sort does not grow in RAM."""
+    writer = db.open_database(path, "dialect-agent", db.DatabaseOptions(), 0.0)
+    reader = db.connect(path, db.DatabaseOptions(), create=False)
+    try:
+        assert writer.execute("PRAGMA temp_store").fetchone() == (2,)  # MEMORY
+        assert reader.execute("PRAGMA temp_store").fetchone() == (0,)  # DEFAULT
+    finally:
+        writer.close()
+        reader.close()

@@ -61,6 +61,17 @@ class TestGroupsOnPostgres:
         assert results[2].message_id == results[0].message_id and results[2].commit_ack == b"ACK-FOR-D1"
         assert rows(pg_database) == [("D1", "queued", 1), ("D2", "queued", 2)]
 
+    def test_duplicates_against_the_table_in_one_lookup(self, store: Store, pg_database: PgDatabase) -> None:
+        """Several keys in one run are looked up together: known ones replay, conflict, or are new."""
+        with store.transaction() as s:
+            first = s.intake(item("T1"))
+            s.intake(item("T2"))
+        with store.transaction() as s:
+            out = s.intake_groups([[item("T1")], [item("T2", pid="other"), item("T3")]])
+        assert [[r.outcome for r in g] for g in out] == [["duplicate"], ["conflict", "accepted"]]
+        assert out[0][0].message_id == first.message_id and out[0][0].commit_ack == b"ACK-FOR-T1"
+        assert rows(pg_database) == [("T1", "queued", 1), ("T2", "queued", 2), ("T3", "queued", 3)]
+
     def test_a_failing_member_takes_the_whole_group_with_it(self, store: Store, pg_database: PgDatabase) -> None:
         """One insert the server refuses (a CHECK) rolls back the group, and the transaction goes on."""
         bad = replace(item("F2"), ack_mode="bogus")  # type: ignore[arg-type]  # a value the schema refuses

@@ -354,12 +354,49 @@ class TestSchemaTwo:
             conn.close()
         db.open_existing(path, db.DatabaseOptions()).close()
 
+    def test_a_schema_3_file_loses_only_the_control_id_index(self, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+        """Schema 4 drops messages_control_id and nothing else; the rows stay, a control id is still
+        found, and min_compatible_version stays 1 (the previous version keeps working on it)."""
+        path = tmp_path / "queue.db"
+        first = db.load_migrations()[:3]
+        monkeypatch.setattr(db, "load_migrations", lambda: first)
+        monkeypatch.setattr(db, "SCHEMA_VERSION", 3)
+
+        def indexes(conn: sqlite3.Connection) -> set[str]:
+            return {r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type = 'index'")}
+
+        conn = db.open_database(path, AGENT, db.DatabaseOptions(), START)
+        before = indexes(conn)
+        conn.execute("INSERT INTO messages (id, channel, seq, state, remote, control_id, body, body_sha256,"
+                     " received_at, updated_at) VALUES ('old-row', 'adt', 1, 'queued', 'x', 'C1', x'00', '', 1, 1)")
+        conn.close()
+        monkeypatch.undo()
+        conn = db.open_database(path, AGENT, db.DatabaseOptions(), START)
+        try:
+            assert before - indexes(conn) == {"messages_control_id"} and indexes(conn) <= before
+            store = SqliteStore(conn, db.load_queries(), db_path=path)
+            meta = store.meta()
+            assert (meta["schema_version"], meta["min_compatible_version"]) == ("4", "1")
+            assert [r.id for r in store.list_rows(RowFilter(control_id="C1"))] == ["old-row"]
+        finally:
+            conn.close()
+
     def test_later_migrations_are_additive(self) -> None:
-        """Every migration after the first only adds: new tables, indexes, nullable columns."""
-        allowed = re.compile(r"\s*(CREATE TABLE|CREATE INDEX|CREATE UNIQUE INDEX|ALTER TABLE \w+ ADD COLUMN)\b")
-        for number, sql in db.load_migrations()[1:]:
+        """Every migration after the first only adds (new tables, indexes, nullable columns) or drops
+        an index that enforced nothing: an index changes how a query is planned, never its answer,
+        so the previous version keeps working on a migrated file."""
+        allowed = re.compile(r"\s*(CREATE TABLE|CREATE INDEX|CREATE UNIQUE INDEX|ALTER TABLE \w+ ADD COLUMN"
+                             r"|DROP INDEX IF EXISTS \w+)\b")
+        unique: set[str] = set()
+        for number, sql in db.load_migrations():
             for statement in db._split_statements(sql):
                 body = "\n".join(ln for ln in statement.splitlines() if not ln.strip().startswith("--"))
+                unique.update(re.findall(r"CREATE UNIQUE INDEX (\w+)", body))
+                if number == 1:
+                    continue
                 assert allowed.match(body), (number, body)
                 if "ADD COLUMN" in body:
                     assert "NOT NULL" not in body or "DEFAULT" in body, (number, body)
+                dropped = re.findall(r"DROP INDEX IF EXISTS (\w+)", body)
+                assert not set(dropped) & unique, (number, body)  # a unique index is a constraint

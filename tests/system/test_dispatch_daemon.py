@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,23 +81,6 @@ class HoldFirst:
             self.held = True
             return None
         return default_answer(t)
-
-
-@pytest.fixture
-def daemons() -> Iterator[list[Daemon]]:
-    """Every daemon a test starts is registered here and stopped by PID at the end."""
-    started: list[Daemon] = []
-    yield started
-    for d in started:
-        d.kill()
-
-
-@pytest.fixture
-def servers() -> Iterator[list[DevServerThread]]:
-    started: list[DevServerThread] = []
-    yield started
-    for s in started:
-        s.stop()
 
 
 class TestKillNine:

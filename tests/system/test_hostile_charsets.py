@@ -68,15 +68,6 @@ def server() -> Iterator[DevServerThread]:
         s.stop()
 
 
-@pytest.fixture
-def daemons() -> Iterator[list[Daemon]]:
-    """Every daemon a test starts is registered here and stopped by PID at the end."""
-    started: list[Daemon] = []
-    yield started
-    for d in started:
-        d.kill()
-
-
 def assert_alive(daemon: Daemon) -> None:
     assert daemon.proc is not None
     assert daemon.proc.poll() is None, f"daemon exited with {daemon.proc.returncode}:\n{daemon.log_tail()}"

@@ -87,15 +87,6 @@ def more_fds_here(need: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-@pytest.fixture
-def daemons() -> Iterator[list[Daemon]]:
-    """Every daemon a test starts is stopped by PID at the end, whatever happened."""
-    started: list[Daemon] = []
-    yield started
-    for daemon in started:
-        daemon.kill()
-
-
 def wait_listening(daemon: Daemon, port: int) -> None:
     def accepting() -> bool:
         if daemon.proc is not None and daemon.proc.poll() is not None:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -64,15 +64,6 @@ def wait_listening(daemon: Daemon, port: int, timeout: float = 20.0) -> None:
 
 def queued_ids(db_path: Path) -> dict[str, int]:
     return {cid: seq for cid, seq in db_rows(db_path, "SELECT control_id, seq FROM messages WHERE state = 'queued'")}
-
-
-@pytest.fixture
-def daemons() -> Iterator[list[Daemon]]:
-    """Every daemon a test starts is stopped by PID at the end, whatever happened."""
-    started: list[Daemon] = []
-    yield started
-    for daemon in started:
-        daemon.kill()
 
 
 def limit_file_size(limit: int) -> Callable[[], None]:

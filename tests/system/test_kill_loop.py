@@ -184,14 +184,6 @@ def poll(predicate: Any, timeout: float, interval: float = 0.01) -> bool:
 
 
 @pytest.fixture
-def daemons() -> Iterator[list[Daemon]]:
-    started: list[Daemon] = []
-    yield started
-    for d in started:
-        d.kill()
-
-
-@pytest.fixture
 def senders() -> Iterator[list[ResendingSender]]:
     started: list[ResendingSender] = []
     yield started

@@ -215,3 +215,59 @@ class TestCommitBatch:
         assert e3 is None and third is not None
         assert [r.outcome for r in third] == ["accepted", "duplicate"]
         assert rows(store) == [("W1", "queued", 1), ("W4", "queued", 2)]
+
+
+class TestPlainBatch:
+    """The common batch — intake groups and ACK outcomes only — runs without savepoints."""
+
+    def _run(self, store: SqliteStore, groups: list[list[IntakeItem]]
+             ) -> tuple[list[str], list[tuple[list[Any] | None, BaseException | None]]]:
+        """One writer batch of ``groups`` (held back until all are queued); the statements it ran."""
+        statements: list[str] = []
+        writer = Writer(store)
+        writer.start()
+
+        async def run() -> list[tuple[list[Any] | None, BaseException | None]]:
+            loop = asyncio.get_running_loop()
+            started, gate = threading.Event(), threading.Event()
+
+            def hold(_store: SqliteStore) -> None:
+                started.set()
+                gate.wait(10)
+
+            held = writer.submit(hold)
+            assert await asyncio.to_thread(started.wait, 10)
+            answers: list[asyncio.Future[tuple[list[Any] | None, BaseException | None]]] = []
+            for group in groups:
+                answer = loop.create_future()
+                answers.append(answer)
+                writer.intake(group, lambda results, error, answer=answer: answer.set_result((results, error)))
+            store.conn.set_trace_callback(statements.append)  # the writer thread waits in ``hold``
+            gate.set()
+            await asyncio.wrap_future(held)
+            return [await a for a in answers]
+
+        try:
+            answers = asyncio.run(run())
+        finally:
+            store.conn.set_trace_callback(None)
+            writer.close()
+        # What ran after the held job's batch committed (it took the deferred outcomes along).
+        assert "COMMIT" in statements, statements
+        return statements[statements.index("COMMIT") + 1:], answers
+
+    def test_an_intake_batch_takes_no_savepoint(self, store: SqliteStore) -> None:
+        statements, answers = self._run(store, [[item("P1")], [item("P2"), item("P3")]])
+        assert all(error is None for _, error in answers), answers
+        assert statements[0].startswith("BEGIN") and statements[-1] == "COMMIT", statements
+        assert not [s for s in statements if s.lstrip().upper().startswith(("SAVEPOINT", "RELEASE"))], statements
+        assert rows(store) == [("P1", "queued", 1), ("P2", "queued", 2), ("P3", "queued", 3)]
+
+    def test_a_failing_group_is_found_the_careful_way(self, store: SqliteStore) -> None:
+        """The plain run fails: rolled back, taken again with savepoints, the others still commit."""
+        bad = replace(item("B2"), ack_mode="bogus")  # type: ignore[arg-type]  # a value the schema refuses
+        statements, answers = self._run(store, [[item("B1")], [bad], [item("B3")]])
+        assert [error is None for _, error in answers] == [True, False, True]
+        assert isinstance(answers[1][1], StorageError)
+        assert any(s.upper().startswith("ROLLBACK") for s in statements)
+        assert rows(store) == [("B1", "queued", 1), ("B3", "queued", 2)]
