@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 import time
 from collections import Counter, defaultdict
@@ -135,6 +136,10 @@ def run_backend(wd: Path, args: argparse.Namespace, backend: str, queue: list[st
             h.check_all_accepted(report, f"hl7-agent intake ({backend})")
             total = report["acked"]
             load_end = time.monotonic()
+            if spy is not None and not args.no_drain:
+                # Dispatch alone: the first seconds of the drain, in a profile of their own.
+                spy.proc.wait(60)
+                spy = h.py_spy(agent.pid, Path(args.profile) / f"e2e-{name}-drain.txt", 4)
             if not args.no_drain:
                 drained = upstream.wait_received(total, args.drain_timeout)
                 drain_s = time.monotonic() - load_end
@@ -149,6 +154,8 @@ def run_backend(wd: Path, args: argparse.Namespace, backend: str, queue: list[st
             spy.proc.wait(60)
         t0, t1 = report["t_measure_mono"], report["t_measure_mono"] + report["window_s"]
         shares = {name_: cpu.share(name_, t0, t1) for name_ in ("upstream", "agent")}
+        cpu_window_s = cpu.seconds("agent", t0, t1)
+        cpu_drain_s = cpu.seconds("agent", load_end, load_end + drain_s) if drained else float("nan")
     finally:
         agent.stop()
         summary = upstream.stop_and_collect()
@@ -160,12 +167,23 @@ def run_backend(wd: Path, args: argparse.Namespace, backend: str, queue: list[st
     last = max((r[0] for r in records), default=report["t_start_mono"])
     overall = len({r[5] for r in records}) / (last - report["t_start_mono"]) if records else 0.0
     behind = report["acked"] - sum(1 for r in records if r[3] == 1 and r[0] <= report["t_end_mono"])
+    # The process's CPU per message: in the window it takes messages in and delivers them
+    # (each counted where it happened); while draining it only delivers.
+    taken_in = report["msg_per_s"] * window
+    drain_delivered = sum(1 for r in records if r[3] == 1 and load_end <= r[0] <= load_end + drain_s) \
+        if drained else 0
+    cpu_per = {
+        "window_us_per_message_in_plus_delivered": 1e6 * cpu_window_s / (taken_in + in_window)
+        if taken_in + in_window else None,
+        "drain_us_per_delivered": 1e6 * cpu_drain_s / drain_delivered if drain_delivered else None,
+        "window_cpu_s": cpu_window_s, "drain_cpu_s": cpu_drain_s, "drain_delivered": drain_delivered,
+    }
     return {
         "backend": backend, "intake": report, "delivered_per_s": sustained,
         "delivered_overall_per_s": overall, "ratio": sustained / base, "cpu_share": shares,
         "upstream_summary": summary, "drain_s": drain_s, "settle_s": settle_s,
         "drain_after_load_per_s": behind / drain_s if drained and behind > 0 else None,
-        "check": verify(records, report, channel_of_port, partitioned, drained),
+        "check": verify(records, report, channel_of_port, partitioned, drained), "cpu_per_message": cpu_per,
         "in_window": in_window, "behind": behind, "drained": drained, "settled": settled,
     }
 
@@ -189,6 +207,15 @@ def print_backend(r: dict[str, Any], args: argparse.Namespace, base: float, befo
           f"{h.verdict(r['ratio'] >= TARGET_RATIO)}")
     print(f"  CPU in the window: upstream server {shares['upstream']:.0%} of one core, agent "
           f"{shares['agent']:.0%}, load generator {report['cpu_s'] / report['wall_s']:.0%}")
+    per = r["cpu_per_message"]
+    window_us, drain_us = per["window_us_per_message_in_plus_delivered"], per["drain_us_per_delivered"]
+    def known(x: float | None) -> bool:
+        return x is not None and not math.isnan(x)
+
+    print("  agent CPU per message: "
+          + (f"{window_us:.0f} µs per message taken in or delivered in the window" if known(window_us) else "n/a")
+          + (f"; {drain_us:.0f} µs per delivered message while draining (dispatch alone)"
+             if known(drain_us) else ""))
     if shares["upstream"] > 0.8:
         print("  warning: the upstream server used most of a core: it may be the bottleneck")
     if args.no_drain:
@@ -225,7 +252,8 @@ def main() -> int:
     parser.add_argument("--workdir")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--json")
-    parser.add_argument("--profile", metavar="DIR", help="py-spy record the agent during the load")
+    parser.add_argument("--profile", metavar="DIR", help="py-spy record the agent during the load "
+                                                           "(and the first seconds of the drain)")
     parser.add_argument("--smoke", action="store_true", help="a few hundred messages: proves the bench works")
     parser.add_argument("--backend", choices=h.BACKENDS, nargs="+", default=["sqlite"],
                         help="the agent's queue backend; two: one after the other in this run")

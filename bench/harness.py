@@ -506,6 +506,13 @@ class CpuSampler:
             if self._stop.wait(self.interval):
                 return
 
+    def seconds(self, name: str, t0: float, t1: float) -> float:
+        """CPU seconds ``name`` used between t0 and t1 (the samples nearest inside), NaN without two."""
+        inside = [(t, row[name]) for t, row in self.samples if t0 <= t <= t1 and name in row]
+        if len(inside) < 2:
+            return float("nan")
+        return inside[-1][1] - inside[0][1]
+
     def share(self, name: str, t0: float, t1: float) -> float:
         """CPU seconds per wall second of ``name`` between t0 and t1 (1.0 = one full core)."""
         inside = [(t, row[name]) for t, row in self.samples if t0 <= t <= t1 and name in row]

@@ -34,8 +34,11 @@ def main() -> int:
     parser.add_argument("--swap", action="store_true", help="B A A B instead of A B B A")
     parser.add_argument("--workdir")
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="one short round: proves the bench works")
     args = parser.parse_args()
     h.stop_on_sigterm()
+    if args.smoke:
+        args.rounds, args.duration, args.warmup = 1, 0.5, 0.0
     order = ("new", "old", "old", "new") if args.swap else ("old", "new", "new", "old")
     new_tree = h.REPO
     with h.workdir(args.workdir, args.keep) as wd:

@@ -169,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--tree", metavar="DIR", help="another checkout's agent (write --tree=DIR)")
+    parser.add_argument("--smoke", action="store_true", help="a few hundred messages: proves the bench works")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.messages, args.repeat = 320, 1
     configure_logging("info", "json", stream=io.StringIO())
     runs = [asyncio.run(_run(args.messages, args.connections)) * 1e6 for _ in range(args.repeat)]
     import agent  # which tree was measured

@@ -136,7 +136,8 @@ class SessionCore(Generic[W]):
         this session or any other (docs/protocol.md#size-limits).
         """
         text = t.to_json()
-        size = len(text.encode("utf-8"))
+        # An ASCII text is its own UTF-8 size (str.isascii reads a flag: no copy).
+        size = len(text) if text.isascii() else len(text.encode("utf-8"))
         if size > self.max_frame_bytes:
             raise TransmitTooLarge(size, self.max_frame_bytes)
         if self.close_info is not None:

@@ -17,7 +17,7 @@ partitioned channel runs agent.runtime.partition_worker.PartitionWorker
 instead, which reuses the send and apply steps below for several rows of
 different keys.
 
-One module of about 420 lines: the store calls, the shared context and the
+One module of about 450 lines: the store calls, the shared context and the
 worker loop are one unit — each store call exists for exactly one step of
 the loop, and apart they would be read side by side anyway.
 """
@@ -71,6 +71,11 @@ if TYPE_CHECKING:
 __all__ = ["ChannelWorker", "DispatchContext", "Stopping"]
 
 T = TypeVar("T")
+
+#: A server whose answers take about this long or less (a moving average) gets
+#: its settles announced to the writer (Writer.expect), which then holds a
+#: commit a moment for them: one commit carries every channel's settle.
+QUICK_ANSWER_SECONDS = 0.005
 
 
 # -- the store calls, one per action ---------------------------------------------
@@ -179,6 +184,12 @@ class DispatchContext:
     sending: set[str] = field(default_factory=set)
     #: Put-backs that must outlive a torn-down tenure (shielded).
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    #: Moving average of the server's answer time, seconds (starts slow: no hold until measured).
+    answer_seconds: float = 1.0
+
+    def answered_in(self, seconds: float) -> None:
+        """One answer's time (or a timeout's) into the moving average."""
+        self.answer_seconds += 0.1 * (seconds - self.answer_seconds)
 
     async def sleep(self, seconds: float) -> None:
         """Sleep unless stopping; never asyncio.wait_for (see agent.runtime.aio).
@@ -339,14 +350,28 @@ class ChannelWorker:
     ) -> Settle | Requeue | GiveUp | KeepInflight:
         """Write one transmit and wait for its answer: what the core says to do about it."""
         attempt = transmit.attempt
+        ctx = self.ctx
         started = time.monotonic()
+        # A quick server's answer is moments away: the writer may hold the
+        # commit under way for the settle (submitted with no await after this).
+        # Only where the channel's next message waits for this settle: a
+        # partitioned channel's other keys go on meanwhile, and with many rows
+        # in flight a settle is nearly always announced, so every commit would wait.
+        announced = self.chains_next_head and ctx.answer_seconds <= QUICK_ANSWER_SECONDS
+        if announced:
+            ctx.writer.expect()
         try:
-            # asyncio.timeout, not wait_for: transmit() must start in this very
-            # step, so the closed check before still holds when it checks again
-            # and writes (wait_for would schedule it as a task, a loop turn later).
-            async with asyncio.timeout(self.ctx.response_timeout):
-                response = await session.transmit(transmit)
+            try:
+                # asyncio.timeout, not wait_for: transmit() must start in this very
+                # step, so the closed check before still holds when it checks again
+                # and writes (wait_for would schedule it as a task, a loop turn later).
+                async with asyncio.timeout(ctx.response_timeout):
+                    response = await session.transmit(transmit)
+            finally:
+                if announced:
+                    ctx.writer.expected_done()
         except TimeoutError:
+            ctx.answered_in(ctx.response_timeout)  # a server that stopped answering is no quick one
             mlog.warning("transmit_response_timeout", attempt=attempt)
             return on_loss(head, attempt, Loss.RESPONSE_TIMEOUT, policy, replay=session.replay)
         except TransmitTooLarge as exc:
@@ -366,8 +391,10 @@ class ChannelWorker:
                 return on_unsendable(head, attempt, "server closed with 1009: message too big", policy)
             mlog.info("transmit_interrupted", attempt=attempt, code=exc.code)
             return on_loss(head, attempt, Loss.CONNECTION_LOST, policy, replay=session.replay)
-        if self.ctx.metrics is not None:
-            self.ctx.metrics.observe_dispatch_latency(self.name, time.monotonic() - started)
+        took = time.monotonic() - started
+        ctx.answered_in(took)
+        if ctx.metrics is not None:
+            ctx.metrics.observe_dispatch_latency(self.name, took)
         return on_response(head, attempt, response, policy, time.time())
 
     async def _put_back_unsent(self, action: Requeue, mlog: Any) -> None:

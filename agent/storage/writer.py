@@ -24,7 +24,19 @@ neighbours still commit.
 Answers go back to the event loop in one ``call_soon_threadsafe`` per loop
 per batch, not one per job: a thread hop costs a wake-up of the loop.
 
-About 450 lines on purpose: the writer and its small reader twin share
+Jobs other than intake that arrive while a batch runs its statements still
+join it, up to its COMMIT (late joiners): a dispatch settle waits for the
+commit under way rather than the next whole batch, which roughly halves the
+time a strict channel's message spends between its answer and its settle
+while intake keeps the writer busy. Intake groups arriving then wait for the
+next batch as before (they are sized by the load at its start). A caller
+that will submit a job within moments says so first (:meth:`Writer.expect`:
+the dispatcher does, for a transmit whose answer comes quickly); while such
+jobs are announced, a batch about to commit waits up to ``HOLD_SECONDS`` (and
+no longer than a batch's own work takes) for them, so every channel's settle
+rides the commit under way.
+
+About 560 lines on purpose: the writer and its small reader twin share
 the job plumbing (binding, answering on the caller's loop) and are read together.
 """
 
@@ -48,6 +60,12 @@ from agent.storage.store import SqliteStore
 T = TypeVar("T")
 P = ParamSpec("P")
 log = structlog.get_logger(__name__)
+
+#: The longest a batch about to commit waits for jobs announced with Writer.expect().
+#: About one answer's round trip from a server on the local network: a settle
+#: that misses a commit waits for the whole next batch (several milliseconds
+#: under intake load) instead.
+HOLD_SECONDS = 0.002
 
 #: Called on the event loop with a job's result, or None and the error.
 IntakeDone = Callable[[list[IntakeResult] | None, BaseException | None], None]
@@ -133,10 +151,23 @@ class Writer:
         self._jobs: queue.SimpleQueue[_AnyJob | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
+        #: Taken from the queue while a batch ran (intake groups, the stop
+        #: marker): they start the next batch, in the order they came.
+        self._carried: list[_AnyJob | object] = []
         self._deferred: list[_Job] = []
         self._outcomes: list[tuple[str, str]] = []
         self._deferred_lock = threading.Lock()
         self.defer_flush_interval = 0.5
+        self.hold = HOLD_SECONDS
+        #: The hold is at least this long (0: as the batches' work says; tests
+        #: widen it so a slow or loaded machine cannot make an answer miss it).
+        self.min_hold = 0.0
+        #: Moving average of a batch's own work (statements and COMMIT, not the
+        #: hold): a job that misses a commit waits about that long for the next,
+        #: so the hold is never longer (a fast disk and an idle writer: short).
+        self._batch_seconds = 0.0
+        #: Jobs announced with expect() and not submitted yet (written on the event loop only).
+        self._expected = 0
         self.batches = 0
         self.last_write = time.monotonic()  # of the last batch that changed a row
 
@@ -204,6 +235,18 @@ class Writer:
             outcomes, self._outcomes = self._outcomes, []
         return taken, outcomes
 
+    def expect(self) -> None:
+        """From the event loop: a job follows within moments (then :meth:`expected_done`, before submitting it).
+
+        A hint, never a promise: a batch about to commit waits at most
+        ``hold`` seconds for announced jobs, and none when nothing is announced.
+        """
+        self._expected += 1
+
+    def expected_done(self) -> None:
+        """From the event loop: the job announced with :meth:`expect` is submitted next, or will not come."""
+        self._expected -= 1
+
     async def call(
         self, method: Callable[Concatenate[SqliteStore, P], T], *args: P.args, **kwargs: P.kwargs
     ) -> T:
@@ -233,11 +276,19 @@ class Writer:
 
     # -- the thread ----------------------------------------------------------
 
+    def _next_job(self, timeout: float | None) -> _AnyJob | object:
+        """The oldest job carried over from the last batch, else the queue's (raises queue.Empty)."""
+        if self._carried:
+            return self._carried.pop(0)
+        if timeout is None:
+            return self._jobs.get_nowait()
+        return self._jobs.get(timeout=timeout)
+
     def _loop(self) -> None:
         stopping = False
         while not stopping:
             try:
-                first = self._jobs.get(timeout=self.defer_flush_interval)
+                first = self._next_job(self.defer_flush_interval)
             except queue.Empty:
                 deferred, outcomes = self._take_deferred()
                 if deferred or outcomes:
@@ -254,17 +305,17 @@ class Writer:
                 if len(batch) >= self.max_batch:
                     break
                 try:
-                    nxt = self._jobs.get_nowait()
+                    nxt = self._next_job(None)
                 except queue.Empty:
                     break
             deferred, outcomes = self._take_deferred()
             if batch or deferred or outcomes:
-                self._run_batch_safely(batch, deferred, outcomes)
+                self._run_batch_safely(batch, deferred, outcomes, stopping=stopping)
 
     def _run_batch_safely(self, batch: list[_AnyJob], deferred: list[_Job],
-                          outcomes: list[tuple[str, str]]) -> None:
+                          outcomes: list[tuple[str, str]], *, stopping: bool = False) -> None:
         try:
-            self._run_batch(batch, deferred, outcomes)
+            self._run_batch(batch, deferred, outcomes, stopping=stopping)
         except Exception as exc:  # noqa: BLE001 - the thread must outlive any one batch
             # A caller waiting for an answer that never comes would hang its
             # connection for good; fail what is still unanswered.
@@ -299,9 +350,10 @@ class Writer:
             for job, results in zip(jobs, store.intake_groups([job.items for job in jobs]), strict=True):
                 job.ok, job.value = True, results
 
-    def _run_batch(self, batch: list[_AnyJob], deferred: list[_Job], outcomes: list[tuple[str, str]]) -> None:
-        store = self.store
-        dialect = store.dialect
+    def _run_batch(self, batch: list[_AnyJob], deferred: list[_Job], outcomes: list[tuple[str, str]],
+                   *, stopping: bool = False) -> None:
+        dialect = self.store.dialect
+        started = time.monotonic()
         conn = self._begin(batch)
         if conn is None:
             return
@@ -321,8 +373,14 @@ class Writer:
                     return
                 changes = dialect.changes(conn)
             else:
-                self._commit(conn, batch, changes)
+                try:
+                    waited = 0.0 if stopping else self._run_late(conn, batch)
+                except _TransactionLost as lost:
+                    self._fail_all(batch, lost.error)
+                    return
+                self._commit(conn, batch, changes, started + waited)
                 return
+        waited = 0.0
         try:
             if outcomes:
                 # Bookkeeping, validated up front; a failure costs only it.
@@ -337,13 +395,20 @@ class Writer:
                     job.ok, job.value = self._in_savepoint(conn, f"job{index}", job.fn)
             if intakes:
                 self._run_intakes(conn, intakes)
+            if not stopping:
+                waited = self._run_late(conn, batch)
         except _TransactionLost as lost:
             self._fail_all(batch, lost.error)
             return
-        self._commit(conn, batch, changes)
+        self._commit(conn, batch, changes, started + waited)
 
-    def _commit(self, conn: Any, batch: list[_AnyJob], changes: int) -> None:  # noqa: ANN401 - the dialect's connection
-        """COMMIT, then answer every job (all failed when COMMIT failed)."""
+    def _commit(self, conn: Any, batch: list[_AnyJob], changes: int,  # noqa: ANN401 - the dialect's connection
+                since: float) -> None:
+        """COMMIT, then answer every job (all failed when COMMIT failed).
+
+        ``since``: when the batch began, moved on by the time it held for
+        announced jobs (the rest is its own work, which bounds the next hold).
+        """
         dialect = self.store.dialect
         try:
             dialect.commit(conn)
@@ -352,6 +417,7 @@ class Writer:
             self._fail_all(batch, dialect.storage_error(exc))
             return
         self.batches += 1
+        self._batch_seconds += 0.2 * (time.monotonic() - since - self._batch_seconds)
         if dialect.changes(conn) != changes:
             self.last_write = time.monotonic()
         self._answer(batch)
@@ -376,6 +442,45 @@ class Writer:
                 raise _TransactionLost(exc) from exc
             return False, exc
         return True, result
+
+    def _run_late(self, conn: Any, batch: list[_AnyJob]) -> float:  # noqa: ANN401 - the dialect's connection
+        """Run the non-intake jobs queued since the batch began in it too (see the module docstring).
+
+        While jobs are announced (:meth:`expect`), wait for them up to
+        ``hold`` seconds in all, and never longer than a batch's own work has
+        been taking: a job that misses this commit waits about that long for
+        the next. Intake groups taken meanwhile are carried, in order, to the
+        next batch; a job passing one commits no later than it would have,
+        and no caller waits on one job before submitting another to the same
+        commit. Returns the seconds spent waiting.
+        """
+        deadline: float | None = None
+        waited = 0.0
+        while len(batch) < self.max_batch:
+            try:
+                if self._expected > 0 and self.hold > 0:
+                    now = time.monotonic()
+                    if deadline is None:
+                        deadline = now + max(self.min_hold, min(self.hold, self._batch_seconds))
+                    if deadline > now:
+                        try:
+                            job = self._jobs.get(timeout=deadline - now)
+                        finally:
+                            waited += time.monotonic() - now
+                    else:
+                        job = self._jobs.get_nowait()
+                else:
+                    job = self._jobs.get_nowait()
+            except queue.Empty:
+                return waited
+            if not isinstance(job, _Job):
+                self._carried.append(job)  # an intake group, or the stop marker: no more
+                if not isinstance(job, _IntakeJob):
+                    return waited
+                continue
+            batch.append(job)
+            job.ok, job.value = self._in_savepoint(conn, f"job{len(batch)}", job.fn)
+        return waited
 
     def _run_intakes(self, conn: Any, jobs: list[_IntakeJob]) -> None:  # noqa: ANN401 - the dialect's connection
         """Every intake group of the batch at once; one by one only if that fails."""

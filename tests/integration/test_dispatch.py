@@ -586,3 +586,85 @@ class TestCommitsPerMessage:
                     assert commits <= n + 4, commits
 
         run(scenario())
+
+    def test_the_settles_of_several_channels_share_commits(self, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+        """Four channels draining at once: about one commit per four messages, not one each.
+
+        A settle that arrives while a batch runs joins its COMMIT, and the
+        writer holds a commit a moment for settles announced by a quick
+        server's transmits. The server answers each channel after its own
+        delay (0, 3, 6, 9 ms: the channels' answers never arrive together, as
+        under intake load), so without the hold each settle takes a commit of
+        its own. The hold is widened (50 ms whatever the batches take, and
+        every server counts as quick) so a busy test machine cannot make
+        answers miss it; the bound allows half again the ideal count of 20.
+        """
+        import agent.runtime.channel_worker as channel_worker
+
+        monkeypatch.setattr(channel_worker, "QUICK_ANSWER_SECONDS", 10.0)
+        n, names = 20, ["c1", "c2", "c3", "c4"]
+        gate = asyncio.Event()
+
+        async def decide(t: Transmit) -> Answer:
+            await gate.wait()
+            await asyncio.sleep(0.003 * names.index(t.channel))  # the server's answer time, per channel
+            return default_answer(t)
+
+        async def scenario() -> None:
+            async with dev_server(decide) as server:
+                s = settings_for(tmp_path, url(server), [{"name": name} for name in names])
+                async with agent_running(s) as agent:
+                    assert agent.writer is not None
+                    agent.writer.hold = agent.writer.min_hold = 0.05
+                    for name in names:
+                        acks = await send_all(port_of(agent, name), [hl7_message(cid(name, i)) for i in range(n)])
+                        assert [ack_code(a) for a in acks] == ["AA"] * n
+                    await until(lambda: len(server.received) == len(names), 10, "each channel's first transmit")
+                    before = agent.writer.batches
+                    gate.set()
+                    await until(lambda: rows(agent, "SELECT count(*) FROM messages WHERE state = 'processed'")
+                                == [(n * len(names),)], 30, "every row processed")
+                    commits = agent.writer.batches - before
+                    for name in names:
+                        assert [t.control_id for t in first_attempts(server, name)] == [cid(name, i) for i in range(n)]
+                    assert commits <= n * 3 // 2, commits
+
+        run(scenario())
+
+    def test_only_a_strict_channels_transmit_is_announced_to_the_writer(self, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+        """A strict channel's next message waits for this settle: the writer is told it comes.
+
+        A partitioned channel's other keys go on meanwhile, and with many rows
+        in flight an announcement would stand nearly always, making every
+        commit wait (intake's too): its transmits are not announced.
+        """
+        import agent.runtime.channel_worker as channel_worker
+
+        monkeypatch.setattr(channel_worker, "QUICK_ANSWER_SECONDS", 10.0)
+        gate = asyncio.Event()
+
+        async def decide(t: Transmit) -> Answer:
+            await gate.wait()
+            return default_answer(t)
+
+        async def scenario() -> None:
+            async with dev_server(decide) as server:
+                s = settings_for(tmp_path, url(server), [
+                    {"name": "strict"}, {"name": "part", "partition_key": "PID-3.1", "max_in_flight": 4}])
+                async with agent_running(s) as agent:
+                    assert agent.writer is not None
+                    writer = agent.writer
+                    await send_all(port_of(agent, "part"), [hl7_message(cid("part", i)) for i in range(3)])
+                    await until(lambda: len(server.received) == 1, 10, "the partitioned channel's transmit")
+                    assert writer._expected == 0
+                    await send_all(port_of(agent, "strict"), [hl7_message(cid("strict", 0))])
+                    await until(lambda: len(server.received) == 2, 10, "the strict channel's transmit")
+                    assert writer._expected == 1
+                    gate.set()
+                    await until(lambda: rows(agent, "SELECT count(*) FROM messages WHERE state = 'processed'")
+                                == [(4,)], 10, "every row processed")
+                    assert writer._expected == 0
+
+        run(scenario())

@@ -71,6 +71,20 @@ class TestBenchSmoke:
         assert 3 < result["intake_1"] < result["intake_16"]
         assert result["dispatch_per_message"] > 3
 
+    def test_intake_ab_compares_two_trees(self, tmp_path: Path) -> None:
+        """bench/intake_ab.py runs the old and the new daemon A B B A and prints CPU per message."""
+        proc = subprocess.run([sys.executable, str(BENCH / "intake_ab.py"), "--smoke", "--old", str(REPO_ROOT),
+                               "--connections", "2"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "new/old:" in proc.stdout and "CPU per message" in proc.stdout
+
+    def test_intake_core_measures_the_loop_s_cpu_per_message(self, tmp_path: Path) -> None:
+        """bench/intake_core.py drives the connection shell and core; it checks every message was ACKed."""
+        proc = subprocess.run([sys.executable, str(BENCH / "intake_core.py"), "--smoke"],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "CPU per message best" in proc.stdout
+
     def test_e2e_checks_every_message_delivered_once_in_order(self, tmp_path: Path) -> None:
         """bench/e2e.py delivers through a local upstream server and verifies the delivery."""
         result = run_bench("e2e.py", tmp_path)

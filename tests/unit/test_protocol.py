@@ -7,6 +7,8 @@ from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agent.core.protocol import (
     ErrorMessage,
@@ -212,3 +214,28 @@ class TestTimestamps:
         """A transmit carrying rfc3339_utc(now) passes the strict parser."""
         t = make_transmit(received_at=rfc3339_utc(datetime.now(UTC)))
         assert parse_client_frame(t.to_json()) == t
+
+
+class TestTransmitJsonIsTheGenericEncoders:
+    """Transmit.to_json is written out for speed: it must stay exactly the generic encoder's output."""
+
+    @staticmethod
+    def generic(t: Transmit) -> str:
+        fields: dict[str, Any] = {
+            "type": "transmit", "id": t.id, "channel": t.channel, "control_id": t.control_id,
+            "message_type": t.message_type, "seq": t.seq, "attempt": t.attempt,
+            "received_at": t.received_at, "remote": t.remote, "body": t.body, "encoding": t.encoding,
+        }
+        if t.partition is not None:
+            fields["partition"] = t.partition
+        return json.dumps(fields, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+    @given(texts=st.lists(st.text(), min_size=8, max_size=8), seq=st.integers(min_value=0, max_value=2**63),
+           attempt=st.integers(min_value=1, max_value=10**6), partition=st.none() | st.text())
+    def test_byte_for_byte_and_parsed_back(self, texts: list[str], seq: int, attempt: int,
+                                           partition: str | None) -> None:
+        """Any text (quotes, backslashes, control characters, U+2028, astral planes) and any number."""
+        t = Transmit(texts[0], texts[1], texts[2], texts[3], seq, attempt, "2026-01-01T00:00:00Z", texts[4],
+                     texts[5], texts[6], partition)
+        assert t.to_json() == self.generic(t)
+        assert json.loads(t.to_json())["body"] == t.body

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 from agenttest import wait_for
 
 from agent.storage import sqlite as db
-from agent.storage.store import SqliteStore
+from agent.storage.store import IntakeItem, SqliteStore
 from agent.storage.writer import Reader, Writer
 
 
@@ -99,3 +100,122 @@ class TestCallsByMethod:
             assert reader.call_blocking(SqliteStore.stats, ["adt"])["channels"]["adt"]["paused"] is True
         finally:
             reader.close()
+
+
+def _holding() -> tuple[threading.Event, threading.Event, object]:
+    """A job that holds the writer thread inside its batch until ``gate`` is set."""
+    started, gate = threading.Event(), threading.Event()
+
+    def hold(store: SqliteStore) -> None:
+        started.set()
+        gate.wait(10)
+
+    return started, gate, hold
+
+
+class TestLateJoiners:
+    """Jobs that arrive while a batch runs its statements join that batch's COMMIT."""
+
+    def test_a_job_queued_while_a_batch_runs_commits_with_it(self, writer: Writer) -> None:
+        """A dispatch settle that arrives mid-batch waits for the commit under way, not for a whole next batch."""
+        started, gate, hold = _holding()
+        before = writer.batches
+        held = writer.submit(hold)  # type: ignore[arg-type]
+        assert started.wait(10)
+        late = writer.submit(_set_meta("late", "1"))
+        gate.set()
+        late.result(10)
+        held.result(10)
+        assert writer.batches == before + 1
+        assert writer.submit(lambda s: _meta(s, "late")).result(5) == "1"
+
+    def test_an_intake_group_queued_meanwhile_waits_for_the_next_batch_and_keeps_its_order(
+        self, writer: Writer
+    ) -> None:
+        """Intake groups are not taken late: they start the next batch, in the order they came."""
+        started, gate, hold = _holding()
+
+        def intake_item(cid: str) -> IntakeItem:
+            body = f"MSH|^~\\&|LAB|NORTH|EHR|CENTRAL|20260101||ADT^A01|{cid}|P|2.5.1\r".encode()
+            return IntakeItem(channel="adt", remote="127.0.0.1:1", sending_app="LAB", sending_facility="NORTH",
+                              control_id=cid, message_type="ADT^A01", body=body, encoding="utf-8",
+                              ack_mode="commit", commit_ack=b"ACK", received_at=time.time())
+
+        async def run() -> list[tuple[int, str]]:
+            loop = asyncio.get_running_loop()
+            seen: list[tuple[int, str]] = []
+            done = [loop.create_future() for _ in range(2)]
+            before = writer.batches
+            held = writer.submit(hold)  # type: ignore[arg-type]
+            assert await asyncio.to_thread(started.wait, 10)
+            for n, cid in enumerate(("G1", "G2")):
+                def answered(results: object, error: object, n: int = n, cid: str = cid) -> None:
+                    assert error is None, error
+                    seen.append((writer.batches - before, cid))
+                    done[n].set_result(None)
+
+                writer.intake([intake_item(cid)], answered)
+            late = asyncio.wrap_future(writer.submit(_set_meta("late", "1")))
+            gate.set()
+            await late
+            assert writer.batches == before + 1  # the late job rode with the held one
+            await asyncio.gather(*done)
+            await asyncio.wrap_future(held)
+            return seen
+
+        assert asyncio.run(run()) == [(2, "G1"), (2, "G2")]
+        seqs = writer.submit(lambda s: s.conn.execute(
+            "SELECT control_id, seq FROM messages ORDER BY seq").fetchall()).result(5)
+        assert [tuple(r) for r in seqs] == [("G1", 1), ("G2", 2)]
+
+
+class TestAnnouncedJobs:
+    """``expect()``: a batch about to commit waits a moment for a job its caller is about to submit."""
+
+    def test_a_batch_waits_for_an_announced_job_and_commits_with_it(self, writer: Writer) -> None:
+        """The announced job joins the commit under way, even though it came after the batch's own jobs ran."""
+        writer.hold = writer.min_hold = 10.0  # far longer than needed: the job's arrival ends the wait
+        ran = threading.Event()
+
+        def first(store: SqliteStore) -> None:
+            _set_meta("first", "1")(store)
+            ran.set()
+
+        before = writer.batches
+        writer.expect()
+        held = writer.submit(first)
+        assert ran.wait(10)
+        writer.expected_done()
+        late = writer.submit(_set_meta("announced", "1"))
+        late.result(10)
+        held.result(10)
+        assert writer.batches == before + 1
+
+    def test_an_announced_job_that_never_comes_delays_the_commit_by_the_hold_at_most(self, writer: Writer) -> None:
+        """A hint, never a promise: the batch commits after ``hold`` even if the job is never submitted."""
+        writer.hold = writer.min_hold = 0.05
+        writer.expect()
+        try:
+            started = time.monotonic()
+            writer.submit(_set_meta("alone", "1")).result(10)
+            assert time.monotonic() - started < 5
+        finally:
+            writer.expected_done()
+
+    def test_the_hold_is_never_longer_than_a_batch_takes(self, writer: Writer) -> None:
+        """A job that misses a commit waits about one batch for the next: holding longer would cost more.
+
+        The batches here take milliseconds (a small commit on a local disk),
+        so with ``hold`` at 30 s an announcement that is never fulfilled
+        costs the commit milliseconds, not the full hold.
+        """
+        for n in range(5):  # the batches' work, measured
+            writer.submit(_set_meta(f"warm{n}", "1")).result(10)
+        writer.hold = 30.0
+        writer.expect()
+        try:
+            started = time.monotonic()
+            writer.submit(_set_meta("capped", "1")).result(20)
+            assert time.monotonic() - started < 5
+        finally:
+            writer.expected_done()
