@@ -97,7 +97,7 @@ class _Writer:
         # Built before the clock starts: the real writer builds them on its own thread.
         self.results = [IntakeResult("accepted", f"m{seq:012d}", seq=seq) for seq in range(messages)]
 
-    def intake(self, items: Sequence[IntakeItem], done: Callable[..., None]) -> None:
+    def intake(self, items: Sequence[IntakeItem], done: Callable[..., None], loop: object = None) -> None:
         self.pending.append((items, done))
 
     def defer_ack_outcome(self, message_id: str, outcome: str) -> None:
