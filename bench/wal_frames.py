@@ -16,7 +16,7 @@ on a site's queue), through the store's own write path:
   commit (frames per message for the three).
 
 ``--ids``: the store's own row ids (``store``), or random (``uuid4``) or
-time-ordered (``uuid7``, agent/core/ids.py) ids put in its place for the run.
+time-ordered (``uuid7``, bench/uuid7.py: RFC 9562 version 7) ids put in its place for the run.
 Prints figures; asserts nothing. ``--smoke``: 2,000 rows, a few commits.
 """
 
@@ -43,7 +43,7 @@ def measure(workdir: Path, rows_before: int, senders: int, commits: int, ids: st
     if ids == "uuid4":
         IntakeQueries._new_id = staticmethod(lambda: str(uuid.uuid4()))  # type: ignore[method-assign]
     elif ids == "uuid7":
-        from agent.core.ids import Uuid7Source
+        from uuid7 import Uuid7Source
 
         IntakeQueries._new_id = staticmethod(Uuid7Source())  # type: ignore[method-assign]
     path = workdir / "queue.db"

@@ -1,6 +1,8 @@
-"""Transmit ids: UUID version 7, time-ordered (RFC 9562 section 5.7).
+"""UUID version 7, time-ordered (RFC 9562 section 5.7), for bench/wal_frames.py ``--ids uuid7``.
 
-A message's id is the key of the queue's primary-key index. A random id
+Measured, not used by the agent: time-ordered ids would share their first
+8-13 hex digits, and operators name rows by 8-digit prefixes
+(docs/operations.md#row-ids). A message's id is the key of the queue's primary-key index. A random id
 (version 4) puts each new row of a commit on a different leaf page of that
 index, so every commit rewrote one page per row; ids that grow with time
 append to the last leaf instead. The contract only promises "a UUID",
