@@ -19,26 +19,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from storetest import FakeClock, open_store
 
 from agent.errors import LeaseLost, StorageError
-from agent.storage import sqlite as db
 from agent.storage.store import IntakeItem, LeaseHolder, SqliteStore, holder_provably_dead
 
 T = TypeVar("T")
 TTL = 30.0
-
-
-class FakeClock:
-    """Wall-clock seconds that only move when the test says so."""
-
-    def __init__(self, start: float = 1_750_000_000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @dataclass
@@ -57,42 +44,12 @@ class Harness:
         return asdict(found)
 
 
-def _sqlite_harness(tmp_path: Path) -> Iterator[Harness]:
-    clock = FakeClock()
-    path = tmp_path / "queue.db"
-    conn = db.open_database(path, "contract-agent", db.DatabaseOptions(), clock())
-    store = SqliteStore(conn, db.load_queries(), db_path=path, clock=clock)
-    try:
-        yield Harness(store, clock)
-    finally:
-        conn.close()
-
-
-def _postgres_harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
-    from agent.storage import postgres
-    from agent.storage.sql import load_queries
-
-    database = request.getfixturevalue("pg_database")
-    clock = FakeClock()
-    start = clock.now
-    dialect = postgres.PostgresDialect(postgres.PgOptions(dsn=database.dsn, agent_id="contract-agent"),
-                                       role="writer", lease_skew=lambda: clock.now - start)
-    conn = postgres.open_database(dialect, "contract-agent", clock())
-    store = SqliteStore(conn, load_queries("postgresql"), db_path=tmp_path / "unused", clock=clock,
-                        dialect=dialect)
-    try:
-        yield Harness(store, clock)
-    finally:
-        store.close()
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
     """A fresh, migrated store per test; parametrised by backend."""
-    if request.param == "sqlite":
-        yield from _sqlite_harness(tmp_path)
-    else:
-        yield from _postgres_harness(request, tmp_path)
+    clock = FakeClock()
+    with open_store(request.param, request, tmp_path, "contract-agent", clock) as store:
+        yield Harness(store, clock)
 
 
 def item(control_id: str, channel: str = "adt", *, body: bytes | None = None, app: str = "LAB") -> IntakeItem:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from storetest import FakeClock, open_store
 
 from agent.core.partition import parse_partition_key
 from agent.core.states import State
@@ -24,18 +25,10 @@ T = TypeVar("T")
 KEY = parse_partition_key("PID-3.1")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_750_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @dataclass
 class Harness:
     store: SqliteStore
-    clock: Clock
+    clock: FakeClock
     holder: str = ""
     epoch: int = 0
 
@@ -63,43 +56,13 @@ class Harness:
                                           server_status=200, server_ack=None))
 
 
-def _sqlite(tmp_path: Path) -> Iterator[Harness]:
-    clock = Clock()
-    path = tmp_path / "queue.db"
-    conn = db.open_database(path, "partition-agent", db.DatabaseOptions(), clock())
-    store = SqliteStore(conn, db.load_queries(), db_path=path, clock=clock)
-    try:
-        yield Harness(store, clock)
-    finally:
-        conn.close()
-
-
-def _postgres(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
-    """A schema of its own on the session's PostgreSQL server; the lease on the server's clock
-    plus how far the test moved its clock (the dialect's test seam)."""
-    from agent.storage import postgres
-    from agent.storage.sql import load_queries
-
-    database = request.getfixturevalue("pg_database")
-    clock = Clock()
-    start = clock.now
-    dialect = postgres.PostgresDialect(postgres.PgOptions(dsn=database.dsn, agent_id="partition-agent"),
-                                       role="writer", lease_skew=lambda: clock.now - start)
-    conn = postgres.open_database(dialect, "partition-agent", clock())
-    store = SqliteStore(conn, load_queries("postgresql"), db_path=tmp_path / "unused", clock=clock,
-                        dialect=dialect)
-    try:
-        yield Harness(store, clock)
-    finally:
-        store.close()
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def h(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
     """A migrated store holding the lease; parametrised by backend."""
     me = replace(LeaseHolder.for_this_process("partition-agent"), holder="me")
-    backend = _sqlite(tmp_path) if request.param == "sqlite" else _postgres(request, tmp_path)
-    for harness in backend:
+    clock = FakeClock()
+    with open_store(request.param, request, tmp_path, "partition-agent", clock) as store:
+        harness = Harness(store, clock)
         epoch = harness.tx(lambda s: s.try_acquire_lease(me, 30.0))
         assert epoch is not None
         harness.holder, harness.epoch = "me", epoch
@@ -278,7 +241,9 @@ class TestQueryPlanPostgres:
     sequential scan of messages."""
 
     def test_plans(self, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-        for h in _postgres(request, tmp_path):
+        clock = FakeClock()
+        with open_store("postgresql", request, tmp_path, "partition-agent", clock) as store:
+            h = Harness(store, clock)
             conn = h.store.conn
             with h.store.transaction():
                 conn.execute(
