@@ -12,7 +12,7 @@ single-shot callers (operator commands, tests).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,6 +33,10 @@ from agent.storage.rows import ResultRow, build
 from agent.storage.sqlite import SqliteDialect
 
 R = TypeVar("R")
+
+#: Rows per multi-row statement (:meth:`StoreBase._run_multirow`): at 22 parameters a row, far
+#: below either driver's limit on parameters, and a batch of any size in a few statements.
+MULTIROW_ROWS = 100
 
 
 #: The named query that implements each row transition, by the event it is.
@@ -99,6 +103,7 @@ class StoreBase:
     ) -> None:
         self.conn = conn
         self.q = queries
+        self._multirow: dict[tuple[str, int], str] = {}
         self.db_path = db_path
         self.dedupe_window = dedupe_window
         self.retention = retention
@@ -178,6 +183,48 @@ class StoreBase:
 
     def _exec(self, name: str, **params: Any) -> Any:  # noqa: ANN401 - the driver's cursor
         return self.conn.execute(self.q[name], params)
+
+    def _multirow_sql(self, name: str, n: int) -> str:
+        """Query ``name`` for ``n`` rows: ``{rows}`` replaced by ``n`` copies of query ``name_row``.
+
+        One statement for a batch's rows is one step of the database (one
+        release of the GIL, one server round trip) where ``executemany`` takes
+        one per row. The texts are cached per size; the drivers cache their
+        prepared statements by text.
+        """
+        key = (name, n)
+        sql = self._multirow.get(key)
+        if sql is None:
+            sql = self.q[name].replace("{rows}", ", ".join([self.q[name + "_row"]] * n))
+            self._multirow[key] = sql
+        return sql
+
+    def _run_multirow(self, name: str, rows: Sequence[Sequence[Any]], tail: Sequence[Any] = (),
+                      head: Sequence[Any] = ()) -> int:
+        """Query ``name`` for ``rows``, in statements of at most ``MULTIROW_ROWS`` rows: rows written.
+
+        Parameters are positional: ``head``, the rows' in order, ``tail``.
+        """
+        done = 0
+        for start in range(0, len(rows), MULTIROW_ROWS):
+            chunk = rows[start : start + MULTIROW_ROWS]
+            params = list(head)
+            params.extend(value for row in chunk for value in row)
+            params.extend(tail)
+            done += int(self.conn.execute(self._multirow_sql(name, len(chunk)), params).rowcount)
+        return done
+
+    def _fetch_multirow(self, name: str, rows: Sequence[Sequence[Any]], tail: Sequence[Any] = ()) -> list[ResultRow]:
+        """The rows query ``name`` returns for ``rows`` (then ``tail``, as :meth:`_run_multirow`), by column name."""
+        found: list[ResultRow] = []
+        for start in range(0, len(rows), MULTIROW_ROWS):
+            chunk = rows[start : start + MULTIROW_ROWS]
+            params = [value for row in chunk for value in row]
+            params.extend(tail)
+            cur = self.conn.cursor()
+            cur.row_factory = self.dialect.row_factory
+            found.extend(cur.execute(self._multirow_sql(name, len(chunk)), params).fetchall())
+        return found
 
     def _scalar(self, name: str, **params: Any) -> Any:  # noqa: ANN401 - one column of any type
         """The first column of the first row, or None when there is no row."""

@@ -10,6 +10,7 @@ copies in one commit batch (or one group) make one row.
 from __future__ import annotations
 
 import hashlib
+import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from agent.core.states import ACK_OUTCOMES, AckOutcome, Event, State
 from agent.errors import StorageError
 from agent.storage import maintenance
-from agent.storage.rows import AuditItem, IntakeItem, IntakeResult
+from agent.storage.rows import AuditItem, IntakeItem, IntakeResult, ResultRow
 from agent.storage.store_base import StoreBase
 
 #: The ACK mode an audit row is stored with (it never gets an application ACK).
@@ -26,18 +27,30 @@ _AUDIT_ACK_MODE = "commit"
 (_AUDIT_STATE,) = Event.AUDIT.targets
 
 
+#: The columns of insert_messages_row's parameters, in order (positional: one statement binds
+#: a whole batch; tests/unit/test_intake_sql.py holds this to the query's column list).
+INTAKE_COLUMNS = (
+    "id", "channel", "seq", "state", "remote", "sending_app", "sending_facility", "control_id",
+    "message_type", "encoding", "body", "body_sha256", "ack_mode", "accept_ack_type",
+    "application_ack_type", "ack_sent", "ack_outcome", "received_at", "updated_at", "partition_key",
+)
+#: The same for dedupe_insert_keys_row (app_ack is always NULL there).
+DEDUPE_COLUMNS = (
+    "channel", "sending_app", "sending_facility", "control_id", "body_sha256", "message_id", "ack_mode",
+    "commit_ack", "expires_at",
+)
+
+#: A dedupe key: (channel, MSH-3, MSH-4, MSH-10).
+DedupeKey = tuple[str, str, str, str]
+
+
 @dataclass(slots=True)
 class _Keyed:
     """An item with its dedupe key and body hash, computed once."""
 
     item: IntakeItem
-    key: dict[str, str]
+    key: DedupeKey
     sha: str
-
-    @property
-    def key_tuple(self) -> tuple[str, str, str, str]:
-        k = self.key
-        return (k["channel"], k["sending_app"], k["sending_facility"], k["control_id"])
 
 
 @dataclass(slots=True)
@@ -49,6 +62,41 @@ class _New:
     index: int
     message_id: str = ""
     seq: int = 0
+
+
+def random_uuids(n: int) -> list[str]:
+    """``n`` random UUIDs (version 4) as text, from one read of the OS's random source.
+
+    RFC 9562 section 5.4: 122 random bits, the version (4) in the high nibble
+    of octet 6 and the variant (binary 10) in the top bits of octet 8.
+    """
+    raw = os.urandom(16 * n)
+    ids = []
+    for at in range(0, 16 * n, 16):
+        h = raw[at : at + 16].hex()
+        ids.append(f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{'89ab'[int(h[16], 16) & 3]}{h[17:20]}-{h[20:]}")
+    return ids
+
+
+class _RandomIds:
+    """Row ids drawn 64 at a time: one ``getrandom`` call per 64 rows, not one per row.
+
+    Emptied in a forked child, so a parent and its child never hand out the same id.
+    """
+
+    def __init__(self) -> None:
+        self._pool: list[str] = []
+        os.register_at_fork(after_in_child=self._pool.clear)
+
+    def next(self) -> str:
+        try:
+            return self._pool.pop()
+        except IndexError:
+            self._pool.extend(random_uuids(64))
+            return self._pool.pop()
+
+
+_RANDOM_IDS = _RandomIds()
 
 
 class IntakeQueries(StoreBase):
@@ -75,19 +123,21 @@ class IntakeQueries(StoreBase):
         """Queue several groups at once (the writer's commit batch): per group, ``intake_batch``'s answer.
 
         The same answers as taking the groups one after another, in fewer
-        statements: dedupe against the table is one lookup per key, against
-        the earlier items of the run it is resolved here; each channel's seq
-        advances once for the run; the rows and their dedupe keys are one
-        statement per kind. All or nothing: a failure leaves the caller's
-        savepoint to roll back (the writer then takes the groups one by one).
+        statements: the run's keys are looked up in the table in one
+        statement, against the earlier items of the run they are resolved
+        here; each channel's seq advances once for the run; the rows and
+        their dedupe keys are one statement per kind. All or nothing: a
+        failure leaves the caller's savepoint to roll back (the writer then
+        takes the groups one by one).
         """
         now = self.clock()
-        taken: dict[tuple[str, str, str, str], _New] = {}  # keys this run inserts
+        keyed_groups = [[self._keyed(item) for item in items] for items in groups]
+        live = self._live_keys(keyed_groups, now)
+        taken: dict[DedupeKey, _New] = {}  # keys this run inserts
         inserts: list[_New] = []
         out: list[list[IntakeResult | None]] = []
-        for g, items in enumerate(groups):
-            keyed = [self._keyed(item) for item in items]
-            results: list[IntakeResult | None] = [self._known(k, now, taken) for k in keyed]
+        for g, keyed in enumerate(keyed_groups):
+            results: list[IntakeResult | None] = [self._known(k, taken, live) for k in keyed]
             out.append(results)
             new = [i for i, r in enumerate(results) if r is None]
             if not new:
@@ -95,19 +145,19 @@ class IntakeQueries(StoreBase):
             cost = sum(self._cost(keyed[i].item) for i in new)
             if maintenance.over_limits(self, now, cost):
                 for i in new:
-                    results[i] = IntakeResult(outcome="backpressure", message_id="", ack_mode=items[i].ack_mode)
+                    results[i] = IntakeResult(outcome="backpressure", message_id="", ack_mode=keyed[i].item.ack_mode)
                 continue
             for i in new:
                 k = keyed[i]
                 # An earlier item of this group may have the same key: answered from it.
-                earlier = self._known(k, now, taken, table=False) if k.item.control_id else None
+                earlier = self._known(k, taken, None) if k.item.control_id else None
                 if earlier is not None:
                     results[i] = earlier
                     continue
                 entry = _New(k, g, i, self._new_id())
                 inserts.append(entry)
                 if k.item.control_id:
-                    taken[k.key_tuple] = entry
+                    taken[k.key] = entry
         if inserts:
             self._insert_rows(inserts, now, out)
         return [[r for r in results if r is not None] for results in out]
@@ -115,16 +165,12 @@ class IntakeQueries(StoreBase):
     @staticmethod
     def _new_id() -> str:
         """A message's id: the transmit UUID, random (docs/protocol.md: fixed for life)."""
-        return str(uuid.uuid4())
+        return _RANDOM_IDS.next()
 
-    def _keyed(self, item: IntakeItem) -> _Keyed:
-        key = {
-            "channel": item.channel,
-            "sending_app": item.sending_app,
-            "sending_facility": item.sending_facility,
-            "control_id": item.control_id,
-        }
-        return _Keyed(item, key, hashlib.sha256(item.body).hexdigest())
+    @staticmethod
+    def _keyed(item: IntakeItem) -> _Keyed:
+        return _Keyed(item, (item.channel, item.sending_app, item.sending_facility, item.control_id),
+                      hashlib.sha256(item.body).hexdigest())
 
     @staticmethod
     def _cost_bytes(item: IntakeItem) -> int:
@@ -133,12 +179,23 @@ class IntakeQueries(StoreBase):
     def _cost(self, item: IntakeItem) -> int:
         return maintenance.intake_cost(self, self._cost_bytes(item))
 
-    def _known(self, k: _Keyed, now: float, taken: dict[tuple[str, str, str, str], _New], *,
-               table: bool = True) -> IntakeResult | None:
-        """The answer for a key this run inserts or the table knows (duplicate or conflict); None if new."""
+    def _live_keys(self, keyed_groups: list[list[_Keyed]], now: float) -> dict[DedupeKey, ResultRow]:
+        """The table's live dedupe keys among the run's, by key (one search of the key each)."""
+        keys = list(dict.fromkeys(k.key for keyed in keyed_groups for k in keyed if k.item.control_id))
+        if not keys:
+            return {}
+        return {(r["channel"], r["sending_app"], r["sending_facility"], r["control_id"]): r
+                for r in self._fetch_multirow("dedupe_lookup_keys", keys, (now,))}
+
+    def _known(self, k: _Keyed, taken: dict[DedupeKey, _New],
+               live: dict[DedupeKey, ResultRow] | None) -> IntakeResult | None:
+        """The answer for a key this run inserts or the table knows (``live``; None: this run's only).
+
+        A duplicate or a conflict; None for a new message.
+        """
         if not k.item.control_id:
             return None
-        first = taken.get(k.key_tuple)
+        first = taken.get(k.key)
         if first is not None:
             # As the table would answer once ``first`` is in it.
             if first.keyed.sha != k.sha:
@@ -146,13 +203,11 @@ class IntakeQueries(StoreBase):
             item = first.keyed.item
             return IntakeResult(outcome="duplicate", message_id=first.message_id, ack_mode=item.ack_mode,
                                 commit_ack=item.commit_ack, prior_state=_INTAKE_STATE)
-        return self._replay(k, now) if table else None
+        prior = live.get(k.key) if live else None
+        return None if prior is None else self._replay(k, prior)
 
-    def _replay(self, k: _Keyed, now: float) -> IntakeResult | None:
-        """The table's answer for a known key (duplicate or conflict), or None for a new message."""
-        prior = self._fetch_one("dedupe_lookup", now=now, **k.key)
-        if prior is None:
-            return None
+    def _replay(self, k: _Keyed, prior: ResultRow) -> IntakeResult:
+        """The table's answer for a known key: a duplicate (the original answer) or a conflict."""
         if prior["body_sha256"] != k.sha:
             return IntakeResult(outcome="conflict", message_id=prior["message_id"], ack_mode=k.item.ack_mode)
         app_ack = prior["app_ack"]
@@ -181,52 +236,26 @@ class IntakeQueries(StoreBase):
         rows = []
         keys = []
         expires_at = now + self.dedupe_window
+        pending = AckOutcome.PENDING
         for entry in inserts:
-            item, k = entry.keyed.item, entry.keyed
-            rows.append({
-                "id": entry.message_id,
-                "channel": item.channel,
-                "seq": entry.seq,
-                "state": _INTAKE_STATE,
-                "remote": item.remote,
-                "sending_app": item.sending_app,
-                "sending_facility": item.sending_facility,
-                "control_id": item.control_id,
-                "message_type": item.message_type,
-                "encoding": item.encoding,
-                "body": item.body,
-                "body_sha256": k.sha,
-                "ack_mode": item.ack_mode,
-                "accept_ack_type": item.accept_ack_type,
-                "application_ack_type": item.application_ack_type,
-                "ack_sent": item.commit_ack,
-                "ack_outcome": AckOutcome.PENDING,
-                "error_code": None,
-                "error_text": None,
-                "now": item.received_at,
-                "partition_key": item.partition_key,
-            })
+            k = entry.keyed
+            item = k.item
+            # INTAKE_COLUMNS' order.
+            rows.append((entry.message_id, item.channel, entry.seq, _INTAKE_STATE, item.remote, item.sending_app,
+                         item.sending_facility, item.control_id, item.message_type, item.encoding, item.body,
+                         k.sha, item.ack_mode, item.accept_ack_type, item.application_ack_type,
+                         item.commit_ack, pending, item.received_at, item.received_at, item.partition_key))
             if item.control_id:
-                keys.append({
-                    **k.key,
-                    "body_sha256": k.sha,
-                    "message_id": entry.message_id,
-                    "ack_mode": item.ack_mode,
-                    "commit_ack": item.commit_ack,
-                    "expires_at": expires_at,
-                    "now": now,
-                })
+                # DEDUPE_COLUMNS' order.
+                keys.append((*k.key, k.sha, entry.message_id, item.ack_mode, item.commit_ack, expires_at))
             out[entry.group][entry.index] = IntakeResult(
                 outcome="accepted", message_id=entry.message_id, seq=entry.seq, ack_mode=item.ack_mode)
-        cur = self.conn.cursor()
-        cur.executemany(self.q["insert_message"], rows)
-        if keys:
-            # An expired key of the same name is replaced; a live one never is.
-            cur.executemany(self.q["dedupe_upsert"], keys)
-            if cur.rowcount != len(keys):
-                # A key's unique constraint met a live key the lookup did not
-                # see (another process's intake): never a second row for it.
-                raise StorageError("dedupe key taken by a concurrent intake; resend")
+        self._run_multirow("insert_messages", rows)
+        # An expired key of the same name is replaced; a live one never is.
+        if keys and self._run_multirow("dedupe_insert_keys", keys, (now,)) != len(keys):
+            # A key's unique constraint met a live key the lookup did not
+            # see (another process's intake): never a second row for it.
+            raise StorageError("dedupe key taken by a concurrent intake; resend")
 
     def record_audit(self, item: AuditItem) -> str:
         """Event.AUDIT: insert a ``nacked`` audit row; it never counts as a dedupe prior.
@@ -272,12 +301,13 @@ class IntakeQueries(StoreBase):
         return int(self._exec("set_ack_outcome", id=message_id, outcome=outcome).rowcount) == 1
 
     def set_ack_outcomes(self, pairs: Sequence[tuple[str, str]]) -> int:
-        """``set_ack_outcome`` for many rows in one statement (the writer's batch); rows changed."""
+        """``set_ack_outcome`` for many rows, one statement per outcome (the writer's batch); rows changed."""
         for _message_id, outcome in pairs:
             if outcome not in ACK_OUTCOMES:
                 raise ValueError(f"unknown ack_outcome {outcome!r}")
-        if not pairs:
-            return 0
-        cur = self.conn.cursor()
-        cur.executemany(self.q["set_ack_outcome"], [{"id": m, "outcome": o} for m, o in pairs])
-        return int(cur.rowcount)
+        # A row named twice ends with its last outcome, as if each were set in turn.
+        by_outcome: dict[str, list[tuple[str]]] = {}
+        for message_id, outcome in dict(pairs).items():
+            by_outcome.setdefault(outcome, []).append((message_id,))
+        return sum(self._run_multirow("set_ack_outcomes", ids, (outcome,), (outcome,))
+                   for outcome, ids in by_outcome.items())

@@ -9,26 +9,6 @@
 -- Every write transaction of the agent holds its advisory lock
 -- (agent/storage/postgres.py), so these statements never interleave across hosts.
 
--- name: dedupe_lookup
-SELECT body_sha256, message_id, ack_mode, commit_ack, app_ack
-FROM dedupe_keys
-WHERE channel = %(channel)s AND sending_app = %(sending_app)s
-  AND sending_facility = %(sending_facility)s AND control_id = %(control_id)s
-  AND expires_at > %(now)s
-
--- name: dedupe_upsert
--- The primary key is the constraint: a key still live is never overwritten
--- (0 rows: the store refuses the insert), an expired one is replaced.
-INSERT INTO dedupe_keys (channel, sending_app, sending_facility, control_id, body_sha256,
-                         message_id, ack_mode, commit_ack, app_ack, expires_at)
-VALUES (%(channel)s, %(sending_app)s, %(sending_facility)s, %(control_id)s, %(body_sha256)s,
-        %(message_id)s, %(ack_mode)s, %(commit_ack)s, NULL, %(expires_at)s)
-ON CONFLICT (channel, sending_app, sending_facility, control_id) DO UPDATE SET
-    body_sha256 = excluded.body_sha256, message_id = excluded.message_id,
-    ack_mode = excluded.ack_mode, commit_ack = excluded.commit_ack,
-    app_ack = NULL, expires_at = excluded.expires_at
-WHERE dedupe_keys.expires_at <= %(now)s
-
 -- name: dedupe_set_app_ack
 -- By the key's primary key, read from the row: dedupe_keys has no index on
 -- message_id, and a scan of every key per application ACK grows with the window.
@@ -46,6 +26,7 @@ ON CONFLICT (channel) DO UPDATE SET last_seq = channels.last_seq + excluded.last
 RETURNING last_seq
 
 -- name: insert_message
+-- One row: an audit row (record_audit). Intake's rows go a batch at a time (insert_messages).
 INSERT INTO messages (id, channel, seq, state, remote, sending_app, sending_facility, control_id,
                       message_type, encoding, body, body_sha256, ack_mode, accept_ack_type,
                       application_ack_type, ack_sent, ack_outcome, attempts, next_attempt_at,
@@ -55,6 +36,53 @@ VALUES (%(id)s, %(channel)s, %(seq)s, %(state)s, %(remote)s, %(sending_app)s, %(
         %(accept_ack_type)s, %(application_ack_type)s, %(ack_sent)s, %(ack_outcome)s, 0, 0,
         %(error_code)s, %(error_text)s, %(now)s, %(now)s, %(partition_key)s)
 
+-- name: insert_messages
+-- Event.INTAKE for a commit batch's new rows in one statement: the store puts
+-- one insert_messages_row in place of the rows marker after VALUES for each
+-- row (agent/storage/store_base.py: _multirow_sql); the parameters go
+-- positionally, in the order of INTAKE_COLUMNS in agent/storage/store_intake.py,
+-- which tests/unit/test_intake_sql.py holds to this list.
+INSERT INTO messages (id, channel, seq, state, remote, sending_app, sending_facility, control_id,
+                      message_type, encoding, body, body_sha256, ack_mode, accept_ack_type,
+                      application_ack_type, ack_sent, ack_outcome, attempts, next_attempt_at,
+                      received_at, updated_at, partition_key)
+VALUES {rows}
+
+-- name: insert_messages_row
+(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 0, 0, %s, %s, %s)
+
+-- name: dedupe_insert_keys
+-- The dedupe keys of a batch's new rows in one statement (one
+-- dedupe_insert_keys_row per key, DEDUPE_COLUMNS' order; the last parameter
+-- is now). The primary key is the constraint: a key still live is never
+-- overwritten (the store counts the rows written and refuses the batch when
+-- one is missing), an expired one is replaced.
+INSERT INTO dedupe_keys (channel, sending_app, sending_facility, control_id, body_sha256,
+                         message_id, ack_mode, commit_ack, app_ack, expires_at)
+VALUES {rows}
+ON CONFLICT (channel, sending_app, sending_facility, control_id) DO UPDATE SET
+    body_sha256 = excluded.body_sha256, message_id = excluded.message_id,
+    ack_mode = excluded.ack_mode, commit_ack = excluded.commit_ack,
+    app_ack = NULL, expires_at = excluded.expires_at
+WHERE dedupe_keys.expires_at <= %s
+
+-- name: dedupe_insert_keys_row
+(%s, %s, %s, %s, %s, %s, %s, %s, NULL, %s)
+
+-- name: dedupe_lookup_keys
+-- The live dedupe keys among a batch's (one dedupe_lookup_keys_row per key;
+-- the last parameter is now): one search of the primary key each.
+WITH k (channel, sending_app, sending_facility, control_id) AS (VALUES {rows})
+SELECT d.channel, d.sending_app, d.sending_facility, d.control_id,
+       d.body_sha256, d.message_id, d.ack_mode, d.commit_ack, d.app_ack
+FROM k CROSS JOIN dedupe_keys AS d
+WHERE d.channel = k.channel AND d.sending_app = k.sending_app
+  AND d.sending_facility = k.sending_facility AND d.control_id = k.control_id
+  AND d.expires_at > %s
+
+-- name: dedupe_lookup_keys_row
+(%s, %s, %s, %s)
+
 -- name: dedupe_prior_row
 -- The original row of a duplicate (it may have been purged since).
 SELECT state, app_ack FROM messages WHERE id = %(id)s
@@ -63,6 +91,15 @@ SELECT state, app_ack FROM messages WHERE id = %(id)s
 -- Leaves updated_at alone: retention counts from the row's last state change.
 UPDATE messages SET ack_outcome = %(outcome)s
 WHERE id = %(id)s AND ack_outcome <> %(outcome)s
+
+-- name: set_ack_outcomes
+-- set_ack_outcome for a batch's rows with one outcome, in one statement (one
+-- set_ack_outcomes_row per id; the outcome is the first parameter and the last).
+UPDATE messages SET ack_outcome = %s
+WHERE id IN ({rows}) AND ack_outcome <> %s
+
+-- name: set_ack_outcomes_row
+%s
 
 -- name: lease_row
 SELECT holder, holder_pid, holder_boot, holder_pidns, holder_start, epoch, expires_at

@@ -4,26 +4,6 @@
 -- agent/core/states.py (agent/storage/store_base.py: TRANSITION_QUERIES);
 -- every dispatch write is fenced on the lease epoch (docs/queue.md#fencing).
 
--- name: dedupe_lookup
-SELECT body_sha256, message_id, ack_mode, commit_ack, app_ack
-FROM dedupe_keys
-WHERE channel = :channel AND sending_app = :sending_app
-  AND sending_facility = :sending_facility AND control_id = :control_id
-  AND expires_at > :now
-
--- name: dedupe_upsert
--- The primary key is the constraint: a key still live is never overwritten
--- (0 rows: the store refuses the insert), an expired one is replaced.
-INSERT INTO dedupe_keys (channel, sending_app, sending_facility, control_id, body_sha256,
-                         message_id, ack_mode, commit_ack, app_ack, expires_at)
-VALUES (:channel, :sending_app, :sending_facility, :control_id, :body_sha256,
-        :message_id, :ack_mode, :commit_ack, NULL, :expires_at)
-ON CONFLICT (channel, sending_app, sending_facility, control_id) DO UPDATE SET
-    body_sha256 = excluded.body_sha256, message_id = excluded.message_id,
-    ack_mode = excluded.ack_mode, commit_ack = excluded.commit_ack,
-    app_ack = NULL, expires_at = excluded.expires_at
-WHERE dedupe_keys.expires_at <= :now
-
 -- name: dedupe_set_app_ack
 -- By the key's primary key, read from the row: dedupe_keys has no index on
 -- message_id, and a scan of every key per application ACK grows with the window.
@@ -40,6 +20,7 @@ ON CONFLICT (channel) DO UPDATE SET last_seq = channels.last_seq + excluded.last
 RETURNING last_seq
 
 -- name: insert_message
+-- One row: an audit row (record_audit). Intake's rows go a batch at a time (insert_messages).
 INSERT INTO messages (id, channel, seq, state, remote, sending_app, sending_facility, control_id,
                       message_type, encoding, body, body_sha256, ack_mode, accept_ack_type,
                       application_ack_type, ack_sent, ack_outcome, attempts, next_attempt_at,
@@ -48,6 +29,53 @@ VALUES (:id, :channel, :seq, :state, :remote, :sending_app, :sending_facility, :
         :message_type, :encoding, :body, :body_sha256, :ack_mode, :accept_ack_type,
         :application_ack_type, :ack_sent, :ack_outcome, 0, 0,
         :error_code, :error_text, :now, :now, :partition_key)
+
+-- name: insert_messages
+-- Event.INTAKE for a commit batch's new rows in one statement: the store puts
+-- one insert_messages_row in place of the rows marker after VALUES for each
+-- row (agent/storage/store_base.py: _multirow_sql); the parameters go
+-- positionally, in the order of INTAKE_COLUMNS in agent/storage/store_intake.py,
+-- which tests/unit/test_intake_sql.py holds to this list.
+INSERT INTO messages (id, channel, seq, state, remote, sending_app, sending_facility, control_id,
+                      message_type, encoding, body, body_sha256, ack_mode, accept_ack_type,
+                      application_ack_type, ack_sent, ack_outcome, attempts, next_attempt_at,
+                      received_at, updated_at, partition_key)
+VALUES {rows}
+
+-- name: insert_messages_row
+(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 0, ?, ?, ?)
+
+-- name: dedupe_insert_keys
+-- The dedupe keys of a batch's new rows in one statement (one
+-- dedupe_insert_keys_row per key, DEDUPE_COLUMNS' order; the last parameter
+-- is now). The primary key is the constraint: a key still live is never
+-- overwritten (the store counts the rows written and refuses the batch when
+-- one is missing), an expired one is replaced.
+INSERT INTO dedupe_keys (channel, sending_app, sending_facility, control_id, body_sha256,
+                         message_id, ack_mode, commit_ack, app_ack, expires_at)
+VALUES {rows}
+ON CONFLICT (channel, sending_app, sending_facility, control_id) DO UPDATE SET
+    body_sha256 = excluded.body_sha256, message_id = excluded.message_id,
+    ack_mode = excluded.ack_mode, commit_ack = excluded.commit_ack,
+    app_ack = NULL, expires_at = excluded.expires_at
+WHERE dedupe_keys.expires_at <= ?
+
+-- name: dedupe_insert_keys_row
+(?, ?, ?, ?, ?, ?, ?, ?, NULL, ?)
+
+-- name: dedupe_lookup_keys
+-- The live dedupe keys among a batch's (one dedupe_lookup_keys_row per key;
+-- the last parameter is now): one search of the primary key each.
+WITH k (channel, sending_app, sending_facility, control_id) AS (VALUES {rows})
+SELECT d.channel, d.sending_app, d.sending_facility, d.control_id,
+       d.body_sha256, d.message_id, d.ack_mode, d.commit_ack, d.app_ack
+FROM k CROSS JOIN dedupe_keys AS d
+WHERE d.channel = k.channel AND d.sending_app = k.sending_app
+  AND d.sending_facility = k.sending_facility AND d.control_id = k.control_id
+  AND d.expires_at > ?
+
+-- name: dedupe_lookup_keys_row
+(?, ?, ?, ?)
 
 -- name: dedupe_prior_row
 -- The original row of a duplicate (it may have been purged since).
@@ -58,6 +86,15 @@ SELECT state, app_ack FROM messages WHERE id = :id
 -- and this UPDATE then touches no index.
 UPDATE messages SET ack_outcome = :outcome
 WHERE id = :id AND ack_outcome <> :outcome
+
+-- name: set_ack_outcomes
+-- set_ack_outcome for a batch's rows with one outcome, in one statement (one
+-- set_ack_outcomes_row per id; the outcome is the first parameter and the last).
+UPDATE messages SET ack_outcome = ?
+WHERE id IN ({rows}) AND ack_outcome <> ?
+
+-- name: set_ack_outcomes_row
+?
 
 -- name: lease_row
 SELECT holder, holder_pid, holder_boot, holder_pidns, holder_start, epoch, expires_at

@@ -23,6 +23,7 @@ from storetest import FakeClock, open_store
 
 from agent.errors import LeaseLost, StorageError
 from agent.storage.store import IntakeItem, LeaseHolder, SqliteStore, holder_provably_dead
+from agent.storage.store_base import MULTIROW_ROWS
 
 T = TypeVar("T")
 TTL = 30.0
@@ -129,6 +130,50 @@ class TestIntake:
         """Two identical messages in the same commit batch make one row."""
         results = harness.tx(lambda s: [s.intake(item("B1")), s.intake(item("B1"))])
         assert [r.outcome for r in results] == ["accepted", "duplicate"]
+
+
+    def test_a_batch_larger_than_one_statement_answers_every_item(self, harness: Harness) -> None:
+        """A commit batch spans several multi-row statements (MULTIROW_ROWS rows each): every row,
+        seq and key is written once, and a second batch of the same keys finds each of them.
+
+        Half the keys come back with other bytes (conflicts), and the batch
+        holds in-run duplicates, keys the table knows and new keys across the
+        statement boundaries, on two channels.
+        """
+        n = 2 * MULTIROW_ROWS + 37
+        first = harness.tx(lambda s: s.intake_groups([[item(f"K{i}", "adt" if i % 4 else "lab")]
+                                                      for i in range(n)]))
+        assert [r.outcome for (r,) in first] == ["accepted"] * n
+        seqs = {"adt": [], "lab": []}
+        for i, (r,) in enumerate(first):
+            seqs["adt" if i % 4 else "lab"].append(r.seq)
+        assert {c: v == list(range(1, len(v) + 1)) for c, v in seqs.items()} == {"adt": True, "lab": True}
+
+        def again(i: int) -> IntakeItem:
+            other = f"MSH|^~\\&|LAB|NORTH|||||ADT^A01|K{i}|P|2.5\rPID|{i}\r".encode()
+            return item(f"K{i}", "adt" if i % 4 else "lab", body=other if i % 2 else None)
+
+        groups = [[again(i)] for i in range(n)] + [[item(f"N{i}")] for i in range(MULTIROW_ROWS)]
+        groups += [[item("N0")]]  # the run's own key, earlier in the same batch
+        second = harness.tx(lambda s: s.intake_groups(groups))
+        outcomes = [r.outcome for (r,) in second]
+        assert outcomes[:n] == ["conflict" if i % 2 else "duplicate" for i in range(n)]
+        assert [r.message_id for (r,) in second[:n:2]] == [r.message_id for (r,) in first[::2]]
+        assert outcomes[n:] == ["accepted"] * MULTIROW_ROWS + ["duplicate"]
+        assert second[-1][0].message_id == second[n][0].message_id
+        assert harness.store.stats()["states"]["queued"] == n + MULTIROW_ROWS
+        assert len({r.message_id for (r,) in first}) == n
+
+    def test_ack_outcomes_of_a_batch_end_with_each_rows_last(self, harness: Harness) -> None:
+        """set_ack_outcomes across several statements; a row named twice keeps its last outcome."""
+        ids = queue_n(harness, MULTIROW_ROWS + 5)
+        pairs = [(m, "delivered") for m in ids] + [(ids[0], "undelivered")]
+        changed = harness.tx(lambda s: s.set_ack_outcomes(pairs))
+        assert changed == len(ids)
+        assert [harness.row(m)["ack_outcome"] for m in ids] == ["undelivered"] + ["delivered"] * (len(ids) - 1)
+        assert harness.tx(lambda s: s.set_ack_outcomes(pairs)) == 0  # nothing left to change
+        with pytest.raises(ValueError, match="unknown ack_outcome"):
+            harness.tx(lambda s: s.set_ack_outcomes([(ids[1], "lost")]))
 
 
 class TestFifoHead:

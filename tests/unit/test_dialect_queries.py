@@ -19,6 +19,9 @@ from agent.storage.sql import POSTGRESQL, SQLITE, load_migrations, load_queries
 
 SQLITE_PARAM = re.compile(r"(?<![:\w]):([a-z0-9_]+)\b")
 PG_PARAM = re.compile(r"%\(([a-z0-9_]+)\)s")
+#: Positional placeholders (the multi-row queries: agent/storage/store_base.py, _multirow_sql).
+SQLITE_POSITIONAL = re.compile(r"\?")
+PG_POSITIONAL = re.compile(r"%s")
 
 
 def without_comments(raw: str) -> str:
@@ -70,7 +73,15 @@ class TestSameQueries:
     def test_no_percent_sign_outside_placeholders(self) -> None:
         """psycopg reads every % as a placeholder (comments included): a stray one breaks the query."""
         for name, sql in PG_QUERIES.items():
-            assert "%" not in PG_PARAM.sub("", sql), name
+            assert "%" not in PG_POSITIONAL.sub("", PG_PARAM.sub("", sql)), name
+
+    @pytest.mark.parametrize("name", sorted(SQLITE_QUERIES))
+    def test_same_positional_parameters(self, name: str) -> None:
+        """A query bound by position takes as many values in both dialects (and none is named too)."""
+        lite = len(SQLITE_POSITIONAL.findall(without_comments(SQLITE_QUERIES[name])))
+        assert len(PG_POSITIONAL.findall(without_comments(PG_QUERIES[name]))) == lite
+        if lite:
+            assert not params(SQLITE, SQLITE_QUERIES[name]), name
 
 
 class TestSchema:

@@ -40,8 +40,6 @@ HOT: dict[str, tuple[str, str]] = {
     "dedupe_set_app_ack": ("PRIMARY KEY (channel=? AND sending_app=? AND sending_facility=? AND control_id=?)",
                            "dedupe_keys"),
     # intake
-    "dedupe_lookup": ("PRIMARY KEY (channel=? AND sending_app=? AND sending_facility=? AND control_id=?)",
-                      "dedupe_keys"),
     "dedupe_prior_row": ("sqlite_autoindex_messages_1 (id=?)", "messages"),
     "set_ack_outcome": ("sqlite_autoindex_messages_1 (id=?)", "messages"),
     # the application-ACK relay's poll
@@ -122,6 +120,25 @@ def test_hot_query_uses_its_index(store: SqliteStore, name: str) -> None:
 def test_every_hot_query_exists(store: SqliteStore) -> None:
     """A renamed query must not drop out of this test silently."""
     assert set(HOT) <= set(store.q) and set(SETTLED_READS) <= set(store.q) and set(LIVE_READS) <= set(store.q)
+    assert set(MULTIROW_HOT) <= set(store.q)
+
+
+#: Intake's one-statement-per-batch queries (positional, three rows here): their index.
+MULTIROW_HOT = {
+    "dedupe_lookup_keys": "SEARCH d USING PRIMARY KEY (channel=? AND sending_app=? AND sending_facility=? "
+                          "AND control_id=?)",
+    "set_ack_outcomes": "SEARCH messages USING INDEX sqlite_autoindex_messages_1 (id=?)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MULTIROW_HOT))
+def test_multirow_query_searches_its_index(store: SqliteStore, name: str) -> None:
+    """One search of the index per row named, never a scan of the table."""
+    sql = store._multirow_sql(name, 3)
+    steps = [str(r[3]) for r in store.conn.execute("EXPLAIN QUERY PLAN " + sql, [1] * sql.count("?")).fetchall()]
+    assert any(MULTIROW_HOT[name] in step for step in steps), steps
+    assert not any(step.startswith(("SCAN messages", "SCAN d", "SCAN dedupe_keys")) for step in steps), steps
+    assert not any("TEMP B-TREE" in step for step in steps), steps
 
 
 #: Operator and status queries for rows no longer live: a search of the settled index
