@@ -51,10 +51,16 @@ MIN_COMPATIBLE_VERSION = 1
 
 #: The WAL is cut back to this size whenever SQLite restarts it from the
 #: start (after a complete checkpoint), so one big batch or a long reader
-#: does not keep its high-water mark on the disk for good. About the
-#: auto-checkpoint threshold (1000 pages of 4 KiB), so a WAL in its usual
-#: range is never cut and regrown.
+#: does not keep its high-water mark on the disk for good. Twice the
+#: writer's own checkpoint interval (agent/storage/checkpoints.py:
+#: CHECKPOINT_FRAMES, 512 pages of 4 KiB), so a WAL in its usual range is
+#: never cut and regrown.
 WAL_SIZE_LIMIT = 4 * 1024 * 1024
+
+#: SQLite's automatic checkpoint on the writer connection, in pages: a backstop
+#: only. The daemon's writer checkpoints after answering its batches, every
+#: CHECKPOINT_FRAMES; this one, inside a COMMIT, comes only if that stopped.
+WRITER_AUTOCHECKPOINT_PAGES = 2000
 
 #: PRAGMA auto_vacuum values (the SQLite file header, offset 52/64).
 AUTO_VACUUM_NONE = 0
@@ -325,8 +331,11 @@ def _writer_pragmas(conn: sqlite3.Connection) -> None:
     of a temporary file in a commit batch of a few messages. In memory it is
     bounded by what one batch changes. Not on the reader or operator
     connections, whose big sorts must not grow in RAM.
+
+    ``wal_autocheckpoint``: see WRITER_AUTOCHECKPOINT_PAGES.
     """
     conn.execute("PRAGMA temp_store = MEMORY")
+    conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_AUTOCHECKPOINT_PAGES}")
 
 
 def open_existing(db_path: Path, options: DatabaseOptions) -> sqlite3.Connection:

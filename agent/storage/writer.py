@@ -24,6 +24,10 @@ neighbours still commit.
 Answers go back to the event loop in one ``call_soon_threadsafe`` per loop
 per batch, not one per job: a thread hop costs a wake-up of the loop.
 
+On SQLite the writer also runs the WAL checkpoints, after answering a batch
+(agent/storage/checkpoints.py), so no batch's ACKs wait for
+one; SQLite's own, inside a COMMIT, is left as a backstop.
+
 Jobs other than intake that arrive while a batch runs its statements still
 join it, up to its COMMIT (late joiners): a dispatch settle waits for the
 commit under way rather than the next whole batch, which roughly halves the
@@ -54,6 +58,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import structlog
 
 from agent.errors import AgentError, StorageError
+from agent.storage import checkpoints
 from agent.storage.rows import IntakeItem, IntakeResult
 from agent.storage.store import SqliteStore
 
@@ -170,6 +175,9 @@ class Writer:
         self._expected = 0
         self.batches = 0
         self.last_write = time.monotonic()  # of the last batch that changed a row
+        #: When to checkpoint the WAL (None: the database server does its own).
+        self._pacer = checkpoints.CheckpointPacer() if store.dialect.file_maintenance else None
+        self._checkpoint_failed_at = -float("inf")
 
     def idle_for(self) -> float:
         """Seconds since a batch last changed a row (a refused intake changes none)."""
@@ -421,6 +429,23 @@ class Writer:
         if dialect.changes(conn) != changes:
             self.last_write = time.monotonic()
         self._answer(batch)
+        if self._pacer is not None and self._pacer.committed():
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        """The WAL checkpoint the pacer says is due, now that the batch has its answers."""
+        assert self._pacer is not None
+        try:
+            frames = checkpoints.passive_checkpoint(self.store)
+        except self.store.dialect.Error as exc:
+            # The batches themselves go on (a failing disk fails their COMMITs
+            # and says so); SQLite's own checkpoint remains as the backstop.
+            frames = -1
+            now = time.monotonic()
+            if now - self._checkpoint_failed_at >= 60.0:
+                self._checkpoint_failed_at = now
+                log.warning("wal_checkpoint_failed", error=str(self.store.dialect.storage_error(exc)))
+        self._pacer.checkpointed(frames)
 
     def _in_savepoint(self, conn: Any, name: str,  # noqa: ANN401 - the dialect's connection
                       fn: Callable[[SqliteStore], Any]) -> tuple[bool, Any]:

@@ -79,7 +79,7 @@ class TestStorageFailure:
     def test_storage_failure_is_answered_ar_207_and_never_aa(self, tmp_path: Path, daemons: list[Daemon]) -> None:
         """Under RLIMIT_FSIZE, refused messages get AR with ERR-3 207, every AA'd one is in the database, no AR'd one is queued, and the daemon keeps answering."""
         port = free_port()
-        limit = 4608 * 1024  # above the 1000-page WAL autocheckpoint: hundreds of 2 KB messages fit
+        limit = 4608 * 1024  # above the WAL between checkpoints (512 pages, ~2 MiB): hundreds of 2 KB messages fit
         daemon = Daemon(tmp_path, config(tmp_path / "data", port, extra=QUIET),
                         preexec_fn=limit_file_size(limit))
         daemons.append(daemon.start())

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from agenttest import wait_for
 
+from agent.storage import checkpoints
 from agent.storage import sqlite as db
 from agent.storage.store import IntakeItem, SqliteStore
 from agent.storage.writer import Reader, Writer
@@ -219,3 +220,61 @@ class TestAnnouncedJobs:
             assert time.monotonic() - started < 5
         finally:
             writer.expected_done()
+
+
+def _intake_item(n: int) -> IntakeItem:
+    cid = f"CK{n:06d}"
+    body = f"MSH|^~\\&|LAB|NORTH|EHR|CENTRAL|20260101||ADT^A01|{cid}|P|2.5.1\rPID|1||{n}\r".encode()
+    return IntakeItem(channel="adt", remote="127.0.0.1:1", sending_app="LAB", sending_facility="NORTH",
+                      control_id=cid, message_type="ADT^A01", body=body, encoding="utf-8", ack_mode="commit",
+                      commit_ack=b"MSH|^~\\&|ACK")
+
+
+class TestWalCheckpoints:
+    """On SQLite the writer checkpoints the WAL itself, after answering a batch (agent/storage/checkpoints.py)."""
+
+    def test_the_wal_stays_near_the_writers_interval_not_sqlites_threshold(self, writer: Writer) -> None:
+        """300 one-message commits (~3,600 frames): the WAL file never grows much past CHECKPOINT_FRAMES.
+
+        Without the writer's checkpoints only SQLite's backstop
+        (WRITER_AUTOCHECKPOINT_PAGES, 2,000 frames, about 8 MiB) would run.
+        """
+        wal = Path(f"{writer.store.db_path}-wal")
+        largest = 0
+        for n in range(300):
+            writer.submit(SqliteStore.intake_batch, [_intake_item(n)]).result(10)
+            largest = max(largest, wal.stat().st_size)
+        frame = 4096 + 24
+        assert largest <= (checkpoints.CHECKPOINT_FRAMES + 3 * 16) * frame + 32, largest
+        assert 3 * largest < db.WRITER_AUTOCHECKPOINT_PAGES * frame  # the backstop never ran
+
+    def test_a_batch_is_answered_before_the_checkpoint_runs(self, writer: Writer) -> None:
+        """The checkpoint that falls due after a commit waits for that batch's answers, never the reverse."""
+        events: list[str] = []
+        writer.store.conn.set_trace_callback(
+            lambda sql: events.append("checkpoint") if "wal_checkpoint" in sql else None)
+        try:
+            for n in range(120):
+                future = writer.submit(SqliteStore.intake_batch, [_intake_item(n)])
+                future.add_done_callback(lambda _f: events.append("answered"))
+                future.result(10)
+        finally:
+            writer.store.conn.set_trace_callback(None)
+        assert events.count("checkpoint") >= 2, events
+        # Every checkpoint follows an answer, and no two checkpoints follow one batch.
+        for i, event in enumerate(events):
+            if event == "checkpoint":
+                assert i > 0 and events[i - 1] == "answered", events[max(0, i - 3) : i + 1]
+
+    def test_a_failing_checkpoint_fails_no_batch(self, writer: Writer, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A checkpoint error (here: one made up, a full disk cannot be had here) leaves every job answered."""
+        calls: list[int] = []
+
+        def failing(store: SqliteStore) -> int:
+            calls.append(1)
+            raise db.sqlite3.OperationalError("disk I/O error")
+
+        monkeypatch.setattr(checkpoints, "passive_checkpoint", failing)
+        results = [writer.submit(SqliteStore.intake_batch, [_intake_item(n)]).result(10) for n in range(80)]
+        assert [r.outcome for (r,) in results] == ["accepted"] * 80
+        assert calls, "no checkpoint fell due"
