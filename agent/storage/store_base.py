@@ -34,8 +34,8 @@ from agent.storage.sqlite import SqliteDialect
 
 R = TypeVar("R")
 
-#: Rows per multi-row statement (:meth:`StoreBase._run_multirow`): at 22 parameters a row, far
-#: below either driver's limit on parameters, and a batch of any size in a few statements.
+#: Rows per multi-row statement (:meth:`StoreBase._run_multirow`): at 20 parameters a row at most,
+#: far below either driver's limit on parameters, and a batch of any size in a few statements.
 MULTIROW_ROWS = 100
 
 

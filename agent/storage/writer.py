@@ -25,8 +25,8 @@ Answers go back to the event loop in one ``call_soon_threadsafe`` per loop
 per batch, not one per job: a thread hop costs a wake-up of the loop.
 
 On SQLite the writer also runs the WAL checkpoints, after answering a batch
-(agent/storage/checkpoints.py), so no batch's ACKs wait for
-one; SQLite's own, inside a COMMIT, is left as a backstop.
+(agent/storage/checkpoints.py), so no batch's ACKs wait for one; SQLite's
+own, inside a COMMIT, is left as a backstop.
 
 Jobs other than intake that arrive while a batch runs its statements still
 join it, up to its COMMIT (late joiners): a dispatch settle waits for the
@@ -40,7 +40,7 @@ jobs are announced, a batch about to commit waits up to ``HOLD_SECONDS`` (and
 no longer than a batch's own work takes) for them, so every channel's settle
 rides the commit under way.
 
-About 560 lines on purpose: the writer and its small reader twin share
+About 600 lines on purpose: the writer and its small reader twin share
 the job plumbing (binding, answering on the caller's loop) and are read together.
 """
 
