@@ -199,31 +199,32 @@ class StoreBase:
             self._multirow[key] = sql
         return sql
 
-    def _run_multirow(self, name: str, rows: Sequence[Sequence[Any]], tail: Sequence[Any] = (),
-                      head: Sequence[Any] = ()) -> int:
-        """Query ``name`` for ``rows``, in statements of at most ``MULTIROW_ROWS`` rows: rows written.
+    def _multirow_statements(self, name: str, rows: Sequence[Sequence[Any]], tail: Sequence[Any] = (),
+                             head: Sequence[Any] = ()) -> Iterator[tuple[str, list[Any]]]:
+        """(sql, parameters) of query ``name`` for ``rows``, at most ``MULTIROW_ROWS`` rows a statement.
 
         Parameters are positional: ``head``, the rows' in order, ``tail``.
         """
-        done = 0
         for start in range(0, len(rows), MULTIROW_ROWS):
             chunk = rows[start : start + MULTIROW_ROWS]
             params = list(head)
             params.extend(value for row in chunk for value in row)
             params.extend(tail)
-            done += int(self.conn.execute(self._multirow_sql(name, len(chunk)), params).rowcount)
-        return done
+            yield self._multirow_sql(name, len(chunk)), params
+
+    def _run_multirow(self, name: str, rows: Sequence[Sequence[Any]], tail: Sequence[Any] = (),
+                      head: Sequence[Any] = ()) -> int:
+        """Query ``name`` for ``rows`` (see :meth:`_multirow_statements`): rows written."""
+        return sum(int(self.conn.execute(sql, params).rowcount)
+                   for sql, params in self._multirow_statements(name, rows, tail, head))
 
     def _fetch_multirow(self, name: str, rows: Sequence[Sequence[Any]], tail: Sequence[Any] = ()) -> list[ResultRow]:
-        """The rows query ``name`` returns for ``rows`` (then ``tail``, as :meth:`_run_multirow`), by column name."""
+        """The rows query ``name`` returns for ``rows`` (see :meth:`_multirow_statements`), by column name."""
         found: list[ResultRow] = []
-        for start in range(0, len(rows), MULTIROW_ROWS):
-            chunk = rows[start : start + MULTIROW_ROWS]
-            params = [value for row in chunk for value in row]
-            params.extend(tail)
+        for sql, params in self._multirow_statements(name, rows, tail):
             cur = self.conn.cursor()
             cur.row_factory = self.dialect.row_factory
-            found.extend(cur.execute(self._multirow_sql(name, len(chunk)), params).fetchall())
+            found.extend(cur.execute(sql, params).fetchall())
         return found
 
     def _scalar(self, name: str, **params: Any) -> Any:  # noqa: ANN401 - one column of any type

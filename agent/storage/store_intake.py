@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -267,7 +266,7 @@ class IntakeQueries(StoreBase):
         cost = maintenance.intake_cost(self, len(item.body) + len(item.ack_sent or b""))
         if maintenance.over_limits(self, self.clock(), cost):
             raise StorageError("audit row not kept: no room below the queue's disk and size limits")
-        message_id = str(uuid.uuid4())
+        message_id = self._new_id()
         self._exec(
             "insert_message",
             id=message_id,
