@@ -35,6 +35,10 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
+# The in-process parts (fill_queue, wal_frames.py) import this tree's agent, not
+# whatever checkout an editable install points at: a bench run from a worktree measures that tree.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 BUILD = BENCH / ".build"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")

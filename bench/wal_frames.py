@@ -1,7 +1,7 @@
 """Pages per commit: the WAL frames each intake and dispatch commit writes, counted, not timed.
 
     .venv/bin/python bench/wal_frames.py [--rows-before 100000] [--senders 16] [--commits 300]
-                                         [--ids store|uuid4|uuid7]
+                                         [--ids store|uuid4]
 
 Every page a commit changes is one WAL frame (a 24-byte header and the page)
 and one pwrite; fewer pages is less to write before the fsync and less to
@@ -15,8 +15,8 @@ on a site's queue), through the store's own write path:
 - dispatch: claim, mark in flight and settle of the oldest rows, each its own
   commit (frames per message for the three).
 
-``--ids``: the store's own row ids (``store``), or random (``uuid4``) or
-time-ordered (``uuid7``, bench/uuid7.py: RFC 9562 version 7) ids put in its place for the run.
+``--ids``: the store's own row ids (``store``: they grow, agent/storage/row_ids.py), or random
+ones (``uuid4``, what intake used before) put in their place for the run.
 Prints figures; asserts nothing. ``--smoke``: 2,000 rows, a few commits.
 """
 
@@ -42,10 +42,6 @@ def measure(workdir: Path, rows_before: int, senders: int, commits: int, ids: st
 
     if ids == "uuid4":
         IntakeQueries._new_id = staticmethod(lambda: str(uuid.uuid4()))  # type: ignore[method-assign]
-    elif ids == "uuid7":
-        from uuid7 import Uuid7Source
-
-        IntakeQueries._new_id = staticmethod(Uuid7Source())  # type: ignore[method-assign]
     path = workdir / "queue.db"
     conn = db.open_database(path, AGENT_ID, db.DatabaseOptions(synchronous="full"), time.time())
     store = SqliteStore(conn, db.load_queries(), db_path=path)
@@ -111,7 +107,7 @@ def main() -> None:
     parser.add_argument("--rows-before", type=int, default=100_000)
     parser.add_argument("--senders", type=int, default=16)
     parser.add_argument("--commits", type=int, default=300)
-    parser.add_argument("--ids", choices=["store", "uuid4", "uuid7"], default="store")
+    parser.add_argument("--ids", choices=["store", "uuid4"], default="store")
     parser.add_argument("--workdir")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--json", help="also write the figures to this file")

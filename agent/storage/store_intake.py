@@ -10,13 +10,13 @@ copies in one commit batch (or one group) make one row.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.core.states import ACK_OUTCOMES, AckOutcome, Event, State
 from agent.errors import StorageError
 from agent.storage import maintenance
+from agent.storage.row_ids import RowIds
 from agent.storage.rows import AuditItem, IntakeItem, IntakeResult, ResultRow
 from agent.storage.store_base import StoreBase
 
@@ -63,39 +63,8 @@ class _New:
     seq: int = 0
 
 
-def random_uuids(n: int) -> list[str]:
-    """``n`` random UUIDs (version 4) as text, from one read of the OS's random source.
-
-    RFC 9562 section 5.4: 122 random bits, the version (4) in the high nibble
-    of octet 6 and the variant (binary 10) in the top bits of octet 8.
-    """
-    raw = os.urandom(16 * n)
-    ids = []
-    for at in range(0, 16 * n, 16):
-        h = raw[at : at + 16].hex()
-        ids.append(f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{'89ab'[int(h[16], 16) & 3]}{h[17:20]}-{h[20:]}")
-    return ids
-
-
-class _RandomIds:
-    """Row ids drawn 64 at a time: one ``getrandom`` call per 64 rows, not one per row.
-
-    Emptied in a forked child, so a parent and its child never hand out the same id.
-    """
-
-    def __init__(self) -> None:
-        self._pool: list[str] = []
-        os.register_at_fork(after_in_child=self._pool.clear)
-
-    def next(self) -> str:
-        try:
-            return self._pool.pop()
-        except IndexError:
-            self._pool.extend(random_uuids(64))
-            return self._pool.pop()
-
-
-_RANDOM_IDS = _RandomIds()
+#: Where new rows' ids come from (agent/storage/row_ids.py: they grow, so the id index appends).
+_ROW_IDS = RowIds()
 
 
 class IntakeQueries(StoreBase):
@@ -163,8 +132,8 @@ class IntakeQueries(StoreBase):
 
     @staticmethod
     def _new_id() -> str:
-        """A message's id: the transmit UUID, random (docs/protocol.md: fixed for life)."""
-        return _RANDOM_IDS.next()
+        """A message's id: the transmit UUID (docs/protocol.md: fixed for life)."""
+        return _ROW_IDS()
 
     @staticmethod
     def _keyed(item: IntakeItem) -> _Keyed:

@@ -9,12 +9,11 @@ fail here rather than shift a value into the wrong column.
 from __future__ import annotations
 
 import re
-import uuid
 
 import pytest
 
 from agent.storage.sql import POSTGRESQL, SQLITE, load_queries
-from agent.storage.store_intake import DEDUPE_COLUMNS, INTAKE_COLUMNS, random_uuids
+from agent.storage.store_intake import DEDUPE_COLUMNS, INTAKE_COLUMNS
 
 #: Query -> (the store's column order for its row's parameters, columns the row sets to a constant).
 MULTIROW_INSERTS = {
@@ -53,15 +52,3 @@ def test_each_multirow_query_has_one_rows_marker_and_a_row(dialect: str) -> None
     assert multirow == {"insert_messages", "dedupe_insert_keys", "dedupe_lookup_keys", "set_ack_outcomes"}
     for name in multirow:
         assert queries[name].count("{rows}") == 1 and f"{name}_row" in queries
-
-
-def test_row_ids_are_distinct_random_uuids_in_canonical_text() -> None:
-    """RFC 9562 section 5.4: version 4, variant 10; lower-case hex as str(UUID) writes it."""
-    ids = random_uuids(5000)
-    assert len(set(ids)) == len(ids)
-    parsed = [uuid.UUID(i) for i in ids]
-    assert {u.version for u in parsed} == {4} and {u.variant for u in parsed} == {uuid.RFC_4122}
-    assert [str(u) for u in parsed] == ids
-    # every variant nibble and each hex digit of the random part turns up
-    assert {i[19] for i in ids} == set("89ab")
-    assert set("".join(i[:8] for i in ids)) == set("0123456789abcdef")
