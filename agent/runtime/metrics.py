@@ -224,7 +224,7 @@ class _Tally:
         yield family
 
 
-M = TypeVar("M", Counter, Gauge)
+M = TypeVar("M", Counter, Gauge, Histogram)
 
 
 class _Labelled(Generic[M]):
@@ -322,6 +322,9 @@ class AgentMetrics:
         )
         # Intake's connection gauge and audit counter: their children by label.
         self._connections_by = _Labelled(self._connections)
+        # once per delivered message: the children looked up, not built by labels() each time
+        self._settled_by = _Labelled(self._settled)
+        self._latency_by = _Labelled(self._latency)
         self._audit_not_stored_by = _Labelled(self._audit_not_stored)
         self._outbound_connected = Gauge(
             "hl7_agent_outbound_connected",
@@ -374,12 +377,12 @@ class AgentMetrics:
 
     def message_settled(self, channel: str, state: str) -> None:
         """A row reached ``processed``/``rejected``/``failed`` from upstream's answer."""
-        self._settled.labels(channel=channel, state=state).inc()
+        self._settled_by(channel, state).inc()
         self.history.count_out()
 
     def observe_dispatch_latency(self, channel: str, seconds: float) -> None:
         """Transmit written → transmit_response received, in seconds."""
-        self._latency.labels(channel=channel).observe(seconds)
+        self._latency_by(channel).observe(seconds)
 
     def connection_opened(self, channel: str) -> None:
         self._connections_by(channel).inc()
