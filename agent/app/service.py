@@ -474,8 +474,8 @@ class Agent:
             await asyncio.sleep(tick)
             mono = time.monotonic()
             try:
-                # A message needs more room than the bare floor: intake may
-                # still refuse while the measurement (of zero bytes) passes.
+                # The measurement asks room for a short message; a longer one
+                # may still be refused while it passes: that counts too.
                 refusing = await reader.call(maintenance.pressure) or (
                     "intake refuses messages for room" if mono - writer.store.space.refused_at < 3 * tick
                     else None)

@@ -66,6 +66,11 @@ SPACE_RECHECK_SECONDS = 0.1
 #: measures again.
 SPACE_RECHECK_BYTES = 16 * 1024 * 1024
 
+#: The message the readiness checks ask room for: a short one. Intake charges
+#: every message its pages besides its bytes (:func:`intake_cost`), so a check
+#: for zero bytes passes on a file that refuses every real message.
+PROBE_MESSAGE_BYTES = 256
+
 #: Free pages a file keeps for its next rows rather than handing them back at
 #: once (4 MiB of 4 KiB pages): steady intake after a retention sweep reuses
 #: them instead of shrinking and regrowing the file. Under backpressure all go.
@@ -229,9 +234,9 @@ def over_limits(store: StoreBase, now: float, cost: int = 0) -> bool:
 
 
 def pressure(store: StoreBase) -> str | None:
-    """Why intake would refuse a message now (a fresh measurement), or None."""
+    """Why intake would refuse a short message now (a fresh measurement), or None."""
     store.space.forget()
-    problem = room_problem(store, 0)
+    problem = room_problem(store, intake_cost(store, PROBE_MESSAGE_BYTES))
     return problem[0] if problem else None
 
 
@@ -242,10 +247,11 @@ def disk_tight(store: StoreBase) -> bool:
 
 
 def check_room(store: StoreBase) -> None:
-    """Raise StorageError when intake would refuse now, after purging what it may."""
-    if room_problem(store, 0) is not None:
-        make_room(store, store.clock())
-        problem = room_problem(store, 0)
+    """Raise StorageError when intake would refuse a short message now, after purging what it may."""
+    cost = intake_cost(store, PROBE_MESSAGE_BYTES)
+    if room_problem(store, cost) is not None:
+        make_room(store, store.clock(), cost)
+        problem = room_problem(store, cost)
         if problem is not None:
             raise StorageError(f"backpressure: {problem[0]}")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from agent.errors import IncompatibleDatabase
+from agent.errors import IncompatibleDatabase, StorageError
 from agent.storage import maintenance
 from agent.storage import sqlite as db
 from agent.storage.store import AuditItem, IntakeItem, IntakeResult, SqliteStore
@@ -276,6 +276,30 @@ class TestBackpressure:
             assert intake(store, item("X", body=message("X", pad=4000))).outcome == "backpressure"
             assert store.conn.execute("SELECT count(*) FROM messages WHERE state = 'failed'").fetchone() == (
                 len(filled),)
+        finally:
+            store.conn.close()
+
+    def test_readiness_fails_while_intake_refuses_short_messages(self, tmp_path: Path, clock: Clock) -> None:
+        """/readyz's probe and the backpressure log ask room for a short message, not for none.
+
+        Intake charges each message its pages too, so a file with a few KiB
+        left refuses every message while room for zero bytes is still there.
+        """
+        store = open_store(tmp_path / "data" / "queue.db", clock, max_db_bytes=192 * 1024)
+        try:
+            self._fill(store, clock, "F")
+            clock.now += 1
+            assert intake(store, item("S", body=message("S"))).outcome == "backpressure"
+            assert maintenance.pressure(store) == "the queue database is at queue.max_db_bytes"
+            with pytest.raises(StorageError, match="backpressure: the queue database is at queue.max_db_bytes"):
+                store.probe_write()
+            # Room comes back (the live rows were delivered and purged): ready again.
+            with store.transaction() as s:
+                s.conn.execute("UPDATE messages SET state = 'processed'")
+            clock.now += 10 * 86400
+            store.probe_write()
+            assert maintenance.pressure(store) is None
+            assert intake(store, item("T", body=message("T"))).outcome == "accepted"
         finally:
             store.conn.close()
 
