@@ -186,11 +186,31 @@ def _field(obj: Mapping[str, Any], key: str, kind: str) -> Any:
     return obj[key]
 
 
+def _text(value: str) -> str:
+    """``value`` with any lone surrogate (JSON allows ``"\\ud800"``) replaced by U+FFFD.
+
+    Such a string cannot be encoded as UTF-8: stored or sent on, it would
+    raise far from here, and a replaying server would send it again after
+    every restart. RFC 8259 section 8.2 leaves these strings' handling open.
+    """
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= ch <= "\udfff" else ch for ch in value)
+    return value
+
+
 def _str(obj: Mapping[str, Any], key: str, kind: str) -> str:
     value = _field(obj, key, kind)
     if not isinstance(value, str):
         raise ProtocolError(f"{kind} field {key!r} must be a string, got {type(value).__name__}")
-    return value
+    return _text(value)
+
+
+#: The largest integer either side accepts: the queue stores them as 64-bit integers.
+_INT_MAX = 2**63 - 1
 
 
 def _int(obj: Mapping[str, Any], key: str, kind: str, *, minimum: int | None = None) -> int:
@@ -200,6 +220,8 @@ def _int(obj: Mapping[str, Any], key: str, kind: str, *, minimum: int | None = N
         raise ProtocolError(f"{kind} field {key!r} must be an integer, got {type(value).__name__}")
     if minimum is not None and value < minimum:
         raise ProtocolError(f"{kind} field {key!r} must be >= {minimum}, got {value}")
+    if value > _INT_MAX:
+        raise ProtocolError(f"{kind} field {key!r} is out of range (at most {_INT_MAX})")
     return value
 
 
@@ -215,7 +237,7 @@ def _opt_str(obj: Mapping[str, Any], key: str, kind: str) -> str | None:
     value = obj.get(key)
     if value is not None and not isinstance(value, str):
         raise ProtocolError(f"{kind} field {key!r} must be a string or null")
-    return value
+    return None if value is None else _text(value)
 
 
 def _timestamp(obj: Mapping[str, Any], key: str, kind: str) -> str:

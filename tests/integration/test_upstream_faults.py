@@ -212,6 +212,51 @@ class TestBrokenFrames:
 
 
 class TestWrongAnswers:
+    def test_an_answer_holding_a_lone_surrogate(self, tmp_path: Path) -> None:
+        """JSON allows "\\ud800", UTF-8 cannot hold it: the text is repaired, the row processed, the agent lives.
+
+        It used to raise while the settle stored the ACK, which stopped the
+        daemon; a replaying server then sent the same answer after every restart.
+        """
+
+        async def surrogate(ws: ServerConnection, t: Transmit) -> None:
+            ack = default_answer(t).ack or ""
+            frame = json.dumps({"type": "transmit_response", "id": t.id, "attempt": t.attempt,
+                                "status": 200, "ack": ack + "NTE|1||bad \ud800 char\r"})
+            assert "\\ud800" in frame  # ensure_ascii writes the escape itself
+            await ws.send(frame)
+
+        async def scenario() -> None:
+            async with faulty({("F2", 1): surrogate}) as (server, url):
+                async with agent_running(settings_for(tmp_path, url)) as agent:
+                    await send(agent, MESSAGES)
+                    final = await all_processed(agent, MESSAGES)
+                    await send(agent, ["F4"])  # intake still up
+                    await all_processed(agent, ["F4"])
+            assert final["F2"] == ("processed", 1)
+            assert_nothing_lost(server.received, [*MESSAGES, "F4"])
+
+        run(scenario())
+
+    def test_a_status_beyond_64_bits(self, tmp_path: Path) -> None:
+        """A status the queue cannot store is no status: the frame is dropped, the resend processed."""
+
+        async def huge_status(ws: ServerConnection, t: Transmit) -> None:
+            await ws.send(json.dumps({"type": "transmit_response", "id": t.id, "attempt": t.attempt,
+                                      "status": 2**63, "ack": None}))
+
+        async def scenario() -> None:
+            async with faulty({("F2", 1): huge_status}) as (server, url):
+                with capture_logs() as logs:
+                    async with agent_running(settings_for(tmp_path, url)) as agent:
+                        await send(agent, MESSAGES)
+                        final = await all_processed(agent, MESSAGES)
+            assert final["F2"] == ("processed", 2)
+            assert len(events(logs, "upstream_protocol_error")) == 1
+            assert_nothing_lost(server.received, MESSAGES)
+
+        run(scenario())
+
     def test_an_answer_for_an_id_nobody_sent(self, tmp_path: Path) -> None:
         """An answer with an unknown id settles nothing (logged); the real answer then settles the row once."""
 

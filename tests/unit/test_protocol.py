@@ -113,6 +113,8 @@ class TestStrictParsing:
             (frame(type="transmit_response", id="x", attempt=1, status=True), "integer"),
             (frame(type="transmit_response", id="x", attempt=1, status=200.0), "integer"),
             (frame(type="transmit_response", id="x", attempt=0, status=200), ">= 1"),
+            (frame(type="transmit_response", id="x", attempt=1, status=2**63), "out of range"),
+            (frame(type="transmit_response", id="x", attempt=2**64, status=200), "out of range"),
             (frame(type="transmit_response", id=7, attempt=1, status=200), "string"),
             (frame(type="transmit_response", id="x", attempt=1, status=200, ack=5), "null"),
             (frame(type="error"), "'message'"),
@@ -149,6 +151,24 @@ class TestStrictParsing:
         obj = json.loads(make_transmit(received_at=stamp).to_json())
         with pytest.raises(ProtocolError, match="received_at"):
             parse_client_frame(json.dumps(obj))
+
+
+class TestUnencodableText:
+    def test_lone_surrogates_become_replacement_characters(self) -> None:
+        """JSON's "\\ud800" decodes to a str UTF-8 cannot hold: every string field is repaired at the edge."""
+        text = json.dumps({"type": "transmit_response", "id": "x", "attempt": 1, "status": 200,
+                           "ack": "MSA|AA|\ud800 \udfff \U0001f600"})
+        msg = parse_server_frame(text)
+        assert isinstance(msg, TransmitResponse)
+        assert msg.ack == "MSA|AA|\ufffd \ufffd \U0001f600"
+        assert msg.ack.encode("utf-8")
+        error = parse_server_frame(json.dumps({"type": "error", "message": "no \udbff"}))
+        assert isinstance(error, ErrorMessage) and error.message == "no \ufffd"
+        sent = parse_client_frame(json.dumps({
+            "type": "transmit", "id": "i", "channel": "adt", "control_id": "C\ud800", "message_type": "ADT^A01",
+            "seq": 1, "attempt": 1, "received_at": "2026-01-01T00:00:00.000Z", "remote": "r",
+            "body": "MSH|\udc80", "encoding": "utf-8"}))
+        assert isinstance(sent, Transmit) and (sent.control_id, sent.body) == ("C\ufffd", "MSH|\ufffd")
 
 
 class TestClassifyStatus:
