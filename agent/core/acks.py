@@ -88,7 +88,6 @@ TABLE_0357: dict[int, str] = {
 }
 
 _ACCEPT_CODES = frozenset({AckCode.AA, AckCode.CA})
-_DEFAULT_PROCESSING_ID = "P"
 _DEFAULT_VERSION = "2.5"
 _VERSION_RE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
@@ -307,20 +306,19 @@ def _ack_template(
     if header is not None:
         trigger = copied(trigger_event)
         # MSH-11/12 copied, never a made-up value — an empty MSH-11
-        # stays empty. Only a header so broken that MSH-12 is missing too (a
-        # minimal reject) gets defaults: the ERR layout depends on the version.
+        # stays empty. Only a missing MSH-12 gets a default: the ERR layout
+        # depends on the version, and a reader requires one.
         processing_id = copied(processing_id_raw)
         version_id = copied(version_id_raw)
         # MSH-12.1 (the version itself) is what a reader requires: "^^^" is missing too.
         if not version_id.split(delims.component, 1)[0]:
-            processing_id = processing_id or _DEFAULT_PROCESSING_ID
             version_id = _DEFAULT_VERSION
         version = _version_tuple(version_id, delims.component)
         swapped = [copied(receiving_app), copied(receiving_facility), copied(sending_app), copied(sending_facility)]
         charset = copied(charset_raw)
     else:
         trigger = ""
-        processing_id = _DEFAULT_PROCESSING_ID
+        processing_id = ""  # not readable: never a made-up P
         version_id = _DEFAULT_VERSION
         version = (2, 5, 0)
         swapped = ["", "", "", ""]

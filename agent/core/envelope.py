@@ -220,7 +220,7 @@ def read_msh(data: bytes) -> Envelope:
     check = _separators_problem if len(encoding_chars) <= 5 else _separators_problem.__wrapped__
     problem = check(field_sep, encoding_chars)
     if problem is not None:
-        raise MalformedMsh(problem[0], error_code=problem[1])
+        raise MalformedMsh(problem[0], error_code=problem[1], partial=_scraped(field_sep, fields))
     # MSH-1 is the separator itself, so MSH-n is fields[n - 1]; absent fields are "".
     if len(fields) < 18:
         fields.extend([""] * (18 - len(fields)))
@@ -254,6 +254,35 @@ def read_msh(data: bytes) -> Envelope:
     if not envelope.version:
         raise MalformedMsh("MSH-12 version id missing", error_code=101, partial=envelope)
     return envelope
+
+
+#: What a field read past unusable encoding characters may not keep: the
+#: default field separator and escape character would change the reject's
+#: structure (HL7 2.5 ch. 2.7: they must be escaped in data).
+_UNSAFE_IN_SCRAPED = str.maketrans("", "", DEFAULT_FIELD_SEP + DEFAULT_ENCODING_CHARS[2])
+
+
+def _scraped(field_sep: str, fields: list[str]) -> Envelope | None:
+    """An MSH whose encoding characters are unusable, read with its field separator alone.
+
+    Expressed in the default delimiters (the reject is written in them): the
+    reject ACK copies MSH-3..6 and MSH-11/12 like any other, and an inbound
+    ACK is still recognised by MSH-9 and never answered. MSH-15/16 are left
+    empty: a broken MSH is always answered. None when even MSH-1 is unusable.
+    """
+    if not _usable_delimiter(field_sep):
+        return None
+    if len(fields) < 18:
+        fields = fields + [""] * (18 - len(fields))
+    clean = [f.translate(_UNSAFE_IN_SCRAPED) for f in fields]
+    comp = DEFAULT_ENCODING_CHARS[0]
+    type_parts = clean[8].split(comp, 2)
+    return Envelope(
+        DEFAULT_FIELD_SEP, DEFAULT_ENCODING_CHARS, clean[2], clean[3], clean[4], clean[5],
+        clean[8], type_parts[0].strip(), type_parts[1].strip() if len(type_parts) > 1 else "",
+        clean[9], clean[10], clean[11], clean[12], "", "",
+        clean[17].split(DEFAULT_ENCODING_CHARS[1], 1)[0].strip(),
+    )
 
 
 def scrape_control_id(data: bytes) -> str:

@@ -227,12 +227,12 @@ class TestWrongAnswers:
             await ws.send(frame)
 
         async def scenario() -> None:
-            async with faulty({("F2", 1): surrogate}) as (server, url):
-                async with agent_running(settings_for(tmp_path, url)) as agent:
-                    await send(agent, MESSAGES)
-                    final = await all_processed(agent, MESSAGES)
-                    await send(agent, ["F4"])  # intake still up
-                    await all_processed(agent, ["F4"])
+            async with faulty({("F2", 1): surrogate}) as (server, url), \
+                    agent_running(settings_for(tmp_path, url)) as agent:
+                await send(agent, MESSAGES)
+                final = await all_processed(agent, MESSAGES)
+                await send(agent, ["F4"])  # intake still up
+                await all_processed(agent, ["F4"])
             assert final["F2"] == ("processed", 1)
             assert_nothing_lost(server.received, [*MESSAGES, "F4"])
 

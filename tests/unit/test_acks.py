@@ -168,15 +168,15 @@ class TestBuildAckMsh:
         """An inbound without MSH-18 gets an ACK MSH ending at MSH-12."""
         assert len(segments(build_ack(env(V25), AckCode.AA))[0]) == 12
 
-    def test_missing_processing_and_version_default(self) -> None:
-        """A partial envelope without MSH-11/12 gets P and 2.5."""
+    def test_missing_version_defaults_and_empty_processing_id_stays_empty(self) -> None:
+        """A partial envelope without MSH-11/12: MSH-12 2.5 (a reader needs one), MSH-11 never a made-up P."""
         with pytest.raises(MalformedMsh) as info:
             read_msh(b"MSH|^~\\&|A|B|C|D|||ADT^A01|42\r")
         partial = info.value.partial
         assert partial is not None
         ack = build_ack(partial, AckCode.AE, text=info.value.text, error_code=101)
         msh, msa, err = segments(ack)
-        assert msh[10:12] == ["P", "2.5"]
+        assert msh[10:12] == ["", "2.5"]
         assert msa[:3] == ["MSA", "AE", "42"]
         assert err[3] == "101^Required field missing^HL70357"
 
@@ -263,9 +263,34 @@ class TestMinimalReject:
         msh, msa, err = segments(ack)
         assert msh[:6] == ["MSH", "^~\\&", "", "", "", ""]
         assert msh[8] == "ACK"
-        assert msh[10:12] == ["P", "2.5"]
+        assert msh[10:12] == ["", "2.5"]  # nothing could be read: no made-up P
         assert msa == ["MSA", "AE", "X9", "MSH-2 unusable"]
         assert err == ["ERR", "", "", "102^Data type error^HL70357", "E"]
+
+    def test_unusable_encoding_characters_still_copy_what_the_field_separator_reads(self) -> None:
+        """MSH-2 unusable, MSH-1 fine: the reject (default delimiters) swaps MSH-3..6, copies MSH-11/12."""
+        with pytest.raises(MalformedMsh) as info:
+            read_msh(b"MSH|A~\\&|LAB|NORTH|EHR|CENTRAL|20260301||ADT^A01|BAD2|T|2.3\r")
+        partial = info.value.partial
+        assert partial is not None and info.value.error_code == 102
+        ack = build_ack(partial, AckCode.AE, text=info.value.text, error_code=102)
+        msh, msa, err = segments(ack)
+        assert msh[:6] == ["MSH", "^~\\&", "EHR", "CENTRAL", "LAB", "NORTH"]
+        assert msh[8] == "ACK^A01^ACK"
+        assert msh[10:12] == ["T", "2.3"]
+        assert msa[:3] == ["MSA", "AE", "BAD2"]
+        # Before v2.5 the code goes in ERR-1 (docs/acks.md).
+        assert err[1] == "^^^102&Data type error&HL70357"
+
+    def test_scraped_fields_cannot_break_the_reject(self) -> None:
+        """Another field separator: a "|" or "\\" in a field read with it is dropped, not copied."""
+        with pytest.raises(MalformedMsh) as info:
+            read_msh(b"MSH#A~\\&#L|A\\B#F#R#RF#20260301##ADT^A01#C|1#P#2.5\r")
+        partial = info.value.partial
+        assert partial is not None
+        msh = segments(build_ack(partial, AckCode.AE, text=info.value.text, error_code=102))[0]
+        assert msh[:6] == ["MSH", "^~\\&", "R", "RF", "LAB", "F"]
+        assert msh[10:12] == ["P", "2.5"]
 
     def test_msa2_empty_without_control_id(self) -> None:
         """MSA-2 is empty when the control id could not be read."""

@@ -151,6 +151,10 @@ TABLE = [
         lambda e: decide_frame(b"MSH|^~\\&|EHR|CENTRAL|LAB|NORTH|20260101||ACK^A01^ACK|A-1|P|2.5.1"
                                + (b"|||AL|AL" if e else b"") + b"\rMSA|AA|X-1\r", POLICY, 0.0),
         None, None, "", "", "0"),
+    Row("an inbound ACK whose encoding characters are unusable",
+        lambda e: decide_frame(b"MSH|A~\\&|EHR|CENTRAL|LAB|NORTH|20260101||ACK|A-2|P|2.5"
+                               + (b"|||AL|AL" if e else b"") + b"\rMSA|AA|X-2\r", POLICY, 0.0),
+        None, None, "", "", "0"),
     Row("a frame with no MSH segment", lambda e: decide_frame(b"PID|1||4711^^^MRN||DOE^JANE\r", POLICY, 0.0),
         None, None, "", "", "100"),
 ]
