@@ -41,6 +41,9 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401 - argparse's signature
         kwargs.setdefault("formatter_class", _HelpFormatter)
+        # No abbreviations: "dev-server --token SECRET" would be read as
+        # --token-file SECRET and the secret echoed in the error.
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> Any:  # noqa: ANN401 - argparse's signature
@@ -53,6 +56,17 @@ def _port(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1-65535)")
     return int(text)
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds for --timeout (a usage error, exit 2, otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 86400:  # also false for nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (more than 0, at most 86400)")
+    return value
 
 
 def _global_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
@@ -84,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     send = command("send", "send HL7 files over MLLP and print each ACK")
     send.add_argument("--host", default="127.0.0.1", help="the MLLP listener's host")
     send.add_argument("--port", type=_port, required=True, help="the MLLP listener's TCP port")
-    send.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each ACK")
+    send.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for each ACK")
     send.add_argument("--tls", action="store_true",
                       help="MLLP over TLS; the server's certificate must name --host")
     send.add_argument("--ca", metavar="FILE", help="CA bundle (PEM) to verify the server "

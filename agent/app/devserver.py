@@ -459,13 +459,17 @@ class DevServer:
 
 
 def read_dev_token(token_file: str | None) -> str | None:
-    """The dev server's token: ``--token-file`` contents, else env HL7_AGENT_DEV_TOKEN, else None."""
+    """The dev server's token: ``--token-file`` contents, else env HL7_AGENT_DEV_TOKEN, else None.
+
+    The file is read as the agent reads ``server.token_file``: only its
+    trailing line break goes, so one file serves both ends.
+    """
     if token_file:
         try:
-            token = Path(token_file).read_text(encoding="utf-8").strip()
+            token = Path(token_file).read_text(encoding="utf-8").rstrip("\r\n")
         except OSError as exc:
             raise ConfigError(f"cannot read --token-file {token_file}: {exc.strerror}") from None
-        if not token:
+        if not token.strip():
             raise ConfigError(f"--token-file {token_file} is empty")
         return token
     return os.environ.get(TOKEN_ENV) or None

@@ -22,6 +22,7 @@ from structlog.testing import capture_logs
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from agent.app.config import Settings
 from agent.app.devserver import DevServer, default_answer, read_dev_token, run_dev_server
 from agent.core.protocol import (
     ErrorMessage,
@@ -276,6 +277,13 @@ class TestToken:
         path = tmp_path / "token"
         path.write_text("from-file\n", encoding="utf-8")
         assert read_dev_token(str(path)) == "from-file"
+
+    def test_token_file_is_read_as_the_agent_reads_it(self, tmp_path: Path) -> None:
+        """Only the trailing line break goes, as with server.token_file: one file serves both ends."""
+        path = tmp_path / "token"
+        path.write_text("  s3cr3t  \r\n", encoding="utf-8")
+        settings = Settings(server={"token_file": path})
+        assert read_dev_token(str(path)) == settings.server.token_value() == "  s3cr3t  "
 
     def test_env_fallback_and_none(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Without a file the env var is used; without either there is no token."""

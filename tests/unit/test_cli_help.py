@@ -55,3 +55,23 @@ def test_examples() -> None:
     assert "seconds to wait for each ACK (default: 30.0)" in helps["hl7-agent send"]
     assert "(default: mllp)" in helps["hl7-agent queue export"]
     assert "(default: 8080)" in helps["hl7-agent dev-server"]
+
+
+@pytest.mark.parametrize(("path", "parser"), ALL, ids=[p for p, _ in ALL])
+def test_no_option_is_taken_by_a_prefix(path: str, parser: argparse.ArgumentParser) -> None:
+    """No abbreviations: ``dev-server --token SECRET`` must not become --token-file SECRET."""
+    assert parser.allow_abbrev is False, path
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e9", "soon"])
+def test_send_timeout_must_be_a_positive_finite_number_of_seconds(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A usage error (exit 2, one line), not a traceback from the socket layer."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["send", "--port", "2575", "--timeout", value, "m.hl7"])
+    assert exit_info.value.code == 2
+    assert "is not a number of seconds" in capsys.readouterr().err
+
+
+def test_send_timeout_accepts_fractions() -> None:
+    assert build_parser().parse_args(["send", "--port", "2575", "--timeout", "0.5", "m.hl7"]).timeout == 0.5

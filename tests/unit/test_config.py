@@ -147,6 +147,14 @@ class TestFile:
         assert "nope.toml does not exist" in message
         assert "--config" in message
 
+    def test_empty_explicit_file_name_is_an_error(self, tmp_path: Path) -> None:
+        """``--config "$CONF"`` with CONF unset names no file: an error, not HL7_AGENT_CONFIG's file or defaults."""
+        env = {"HL7_AGENT_CONFIG": str(write(tmp_path, MINIMAL))}
+        with pytest.raises(ConfigError, match="--config is empty"):
+            load_settings("", env)
+        with pytest.raises(ConfigError, match="--config is empty"):
+            load_settings("  ", {})
+
     def test_missing_file_named_by_env_is_an_error(self, tmp_path: Path) -> None:
         """HL7_AGENT_CONFIG naming a missing file is an error too."""
         message = load_error(None, {"HL7_AGENT_CONFIG": str(tmp_path / "nope.toml")})
@@ -196,6 +204,17 @@ class TestEnvironment:
         assert settings.server.token_value() == "s3cret-token"
         assert settings.admin.listen is None
         assert settings.admin.address is None
+
+    def test_an_empty_variable_gives_a_key_with_a_default_its_default(self, tmp_path: Path) -> None:
+        """``${VAR:-}`` in a compose file: the key is unset — its default, whatever the file says."""
+        path = write(tmp_path, MINIMAL + '\n[queue]\nretention = "30d"\n')
+        settings = load_settings(str(path), {"HL7_AGENT_SERVER__PROXY": "", "HL7_AGENT_QUEUE__RETENTION": " ",
+                                             "HL7_AGENT_AGENT__REUSE_PORT": "", "HL7_AGENT_AGENT__ID": ""})
+        defaults = Settings()
+        assert settings.server.proxy == "none"
+        assert settings.queue.retention == defaults.queue.retention
+        assert settings.agent.reuse_port is False
+        assert settings.agent.id == defaults.agent.id
 
     def test_env_names_are_case_insensitive(self) -> None:
         """Lower-case variable names work too."""
@@ -663,6 +682,21 @@ class TestCrossChecks:
         for url in ("http://x/agent", "ws:///nohost", "x"):
             assert "server.url" in load_error(None, {"HL7_AGENT_SERVER__URL": url})
 
+    def test_url_port_in_range(self) -> None:
+        """A port urlsplit cannot read is caught at load, not at the first connect."""
+        assert "port outside 0-65535" in load_error(None, {"HL7_AGENT_SERVER__URL": "wss://h:99999/x"})
+
+    def test_tls_files_with_a_plain_ws_url_are_refused(self, tmp_path: Path) -> None:
+        """A security setting is never silently ignored: ca_file/client_cert/client_key need wss://."""
+        for name in ("ca", "cert", "key"):
+            (tmp_path / name).write_text("x", encoding="utf-8")
+        text = '[server]\nurl = "ws://up.example:80/agent"\nca_file = "ca"\n'
+        assert "ca_file is set but url is ws:// (no TLS), so it would be ignored" in load_error(write(tmp_path, text))
+        text = '[server]\nurl = "WS://up.example/agent"\nclient_cert = "cert"\nclient_key = "key"\n'
+        assert "client_cert and client_key are set but url is ws://" in load_error(write(tmp_path, text))
+        text = '[server]\nurl = "wss://up.example/agent"\nca_file = "ca"\n'
+        assert load_settings(str(write(tmp_path, text)), {}).server.ca_file == tmp_path / "ca"
+
     def test_proxy(self) -> None:
         """server.proxy is "none" or an http(s) URL."""
         assert load_settings(None, {"HL7_AGENT_SERVER__PROXY": "NONE"}).server.proxy == "none"
@@ -772,9 +806,11 @@ class TestResolveConfigPath:
         default.write_text("", encoding="utf-8")
         assert resolve_config_path(None, {}) == default
 
-    def test_empty_values_fall_through(self) -> None:
-        """An empty --config or HL7_AGENT_CONFIG counts as not given."""
-        assert resolve_config_path("", {"HL7_AGENT_CONFIG": ""}) is None
+    def test_empty_env_value_falls_through_but_an_empty_flag_does_not(self) -> None:
+        """An empty HL7_AGENT_CONFIG counts as not given (docs: an empty value unsets); ``--config ""`` is an error."""
+        assert resolve_config_path(None, {"HL7_AGENT_CONFIG": ""}) is None
+        with pytest.raises(ConfigError, match="--config is empty"):
+            resolve_config_path("", {})
 
 
 class TestSettingsInCode:

@@ -18,6 +18,7 @@ import difflib
 import json
 import os
 import tomllib
+import typing
 from collections.abc import Mapping
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -71,7 +72,10 @@ def resolve_config_path(
     An explicitly named file is returned even when missing: :func:`load_settings`
     reports that as an error rather than silently running on defaults.
     """
-    if cli_value:
+    if cli_value is not None:
+        if not cli_value.strip():
+            # A script's --config "$CONF" with CONF unset must not run on another file.
+            raise ConfigError("config error: --config is empty: name a configuration file, or leave --config out")
         return Path(cli_value)
     from_env = _env_lookup(environ, CONFIG_ENV)
     if from_env:
@@ -217,8 +221,30 @@ def _merge(
         # A section the file gives as a non-table value is replaced by the environment's.
         if isinstance(current, dict) and isinstance(value, dict):
             value = {**current, **value}
+        if isinstance(value, dict):
+            value = _empty_means_default(section, value, env_values.get(section))
         data[section] = value
     return data
+
+
+def _empty_means_default(section: str, values: dict[str, Any], env_section: Any) -> dict[str, Any]:  # noqa: ANN401
+    """An empty variable unsets its key (docs/configuration.md): a key that cannot be unset gets its default.
+
+    Keys that can be unset (None) keep the empty value, which their
+    validators read as None: ``HL7_AGENT_SERVER__URL=`` overrides the file's
+    URL, ``HL7_AGENT_ADMIN__LISTEN=`` disables the admin endpoint.
+    """
+    model = _SECTION_MODELS.get(section)
+    if model is None or not isinstance(env_section, dict):
+        return values
+    out = dict(values)
+    for key, raw in env_section.items():
+        field = model.model_fields.get(key)
+        if field is None or not (isinstance(raw, str) and not raw.strip()):
+            continue
+        if type(None) not in typing.get_args(field.annotation):
+            del out[key]
+    return out
 
 
 def load_settings(
@@ -228,7 +254,7 @@ def load_settings(
     env = os.environ if environ is None else environ
     path = resolve_config_path(cli_value, env)
     named_by = (
-        "--config" if cli_value else (CONFIG_ENV if _env_lookup(env, CONFIG_ENV) else "default")
+        "--config" if cli_value is not None else (CONFIG_ENV if _env_lookup(env, CONFIG_ENV) else "default")
     )
     file_values = _read_file(path, named_by) if path is not None else {}
     env_values, sources = _read_environment(env)

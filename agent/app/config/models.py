@@ -134,6 +134,10 @@ class ServerSettings(_Section):
                 f"{_mask_url(value)!r} must be a ws:// or wss:// URL with a host, "
                 "e.g. wss://hl7.example.org/agent"
             )
+        try:
+            parts.port  # noqa: B018 - urlsplit checks the port only when asked
+        except ValueError:
+            raise ValueError(f"{_mask_url(value)!r} has a port outside 0-65535") from None
         return value.strip()
 
     @field_validator("proxy")
@@ -159,6 +163,15 @@ class ServerSettings(_Section):
             raise ValueError("token and token_file are both set; keep only one")
         if self.client_key is not None and self.client_cert is None:
             raise ValueError("client_key is set without client_cert; set both")
+        tls = [name for name in ("ca_file", "client_cert", "client_key") if getattr(self, name) is not None]
+        if tls and self.url is not None and urlsplit(self.url).scheme.lower() == "ws":
+            # A security setting is never silently ignored: ws:// would send
+            # the messages (and the token) in the clear.
+            one = len(tls) == 1
+            raise ValueError(
+                f"{' and '.join(tls)} {'is' if one else 'are'} set but url is ws:// (no TLS), so "
+                f"{'it' if one else 'they'} would be ignored; use a wss:// URL, or remove {'it' if one else 'them'}"
+            )
         return self
 
     def token_value(self) -> str | None:
