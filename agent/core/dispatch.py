@@ -39,6 +39,7 @@ from enum import StrEnum
 from typing import Any, Literal, Protocol, TypeAlias
 
 from agent.core import acks, envelope
+from agent.core.partition import shown_key
 from agent.core.protocol import StatusClass, Transmit, TransmitResponse, classify_status
 from agent.core.retry import attempts_exhausted, retry_delay
 from agent.core.states import State
@@ -314,7 +315,7 @@ def build_transmit(row: Row, policy: ChannelPolicy, attempt: int) -> Transmit:
         remote=row.remote,
         body=text,
         encoding=row.encoding,
-        partition=row.partition_key if policy.partitioned else None,
+        partition=shown_key(row.partition_key or "") if policy.partitioned else None,
     )
 
 

@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-__all__ = ["KEY_SEPARATOR", "FieldPath", "PartitionKey", "key_hash", "parse_partition_key"]
+__all__ = ["KEY_SEPARATOR", "FieldPath", "PartitionKey", "key_hash", "parse_partition_key", "shown_key"]
 
 #: Joins the parts of a key of several paths (U+001F, the ASCII unit separator).
 KEY_SEPARATOR = "\x1f"
@@ -109,9 +109,19 @@ def parse_partition_key(spec: str) -> PartitionKey:
     return PartitionKey(tuple(paths))
 
 
+def shown_key(key: str) -> str:
+    """The key as the server and operators see it: ``""`` when every part is absent.
+
+    The queue keeps the stored form (the parts' separators alone, ``"\\x1f"``
+    for two paths), which rows queued by earlier versions carry too: changing
+    it would split one key's rows into two partitions and could reorder them.
+    """
+    return "" if key and not key.strip(KEY_SEPARATOR) else key
+
+
 def key_hash(key: str) -> str:
     """A short, stable name for a key where the value must not show (logs, stats, the page)."""
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return hashlib.sha256(shown_key(key).encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
 # -- extraction ---------------------------------------------------------------------

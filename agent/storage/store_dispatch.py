@@ -210,10 +210,10 @@ class DispatchQueries(StoreBase):
     def pause_channel(self, channel: str, reason: str) -> None:
         self._exec("channel_pause", channel=channel, now=self.clock(), reason=reason)
 
-    def resume_channel(self, channel: str) -> None:
-        """Clear the channel's pause flag and, on a partitioned channel, every key's pause."""
+    def resume_channel(self, channel: str) -> int:
+        """Clear the channel's pause flag and, on a partitioned channel, every key's pause: how many keys."""
         self._exec("channel_resume", channel=channel)
-        self._exec("partition_resume_all", channel=channel)
+        return max(0, int(self._exec("partition_resume_all", channel=channel).rowcount))
 
     def paused_channels(self) -> set[str]:
         return {str(r[0]) for r in self._exec("paused_channels")}

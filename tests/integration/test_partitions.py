@@ -7,14 +7,17 @@ A real Agent on 127.0.0.1, real MLLP senders, the real DevServer whose
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 from agenttest import run_async as run
 from agenttest import until
 
+from agent.app.commands.channel import cmd_channel
 from agent.app.devserver import Answer, default_answer
 from agent.core.partition import key_hash
 from agent.core.protocol import Transmit
@@ -168,8 +171,13 @@ class TestBlockedKeys:
 
         run(scenario())
 
-    def test_on_reject_pause_pauses_the_key_and_resume_clears_it(self, tmp_path: Path) -> None:
-        """A 400 on PAT0's head with on_reject = "pause" holds PAT0 only; channel resume lets it go."""
+    def test_on_reject_pause_pauses_the_key_and_resume_clears_it(
+            self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """A 400 on PAT0's head with on_reject = "pause" holds PAT0 only; `channel resume` lets it go.
+
+        The channel itself was never paused: the command must clear the key's
+        pause all the same (it once said "already resumed" and left it).
+        """
         plan = interleaved()
         rejected = plan[0][0]
 
@@ -190,9 +198,12 @@ class TestBlockedKeys:
                     assert rows(agent, "SELECT paused FROM channels WHERE channel = 'adt'") == [(0,)]
                     paused = rows(agent, "SELECT partition_key, reason FROM partition_pauses")
                     assert [p[0] for p in paused] == ["PAT0"] and "rejected row" in paused[0][1]
-                    await agent.writer.call(SqliteStore.resume_channel, "adt")
+                    resume = argparse.Namespace(name="adt", channel_command="resume")
+                    assert await asyncio.to_thread(cmd_channel, s, resume) == 0
+                    assert "channel adt: resumed; 1 paused key resumed" in capsys.readouterr().out
                     await until(lambda: rows(agent, "SELECT count(*) FROM messages WHERE state = 'processed'")
                                 == [(len(plan) - 1,)], 30, "PAT0 delivered after resume")
+                    assert rows(agent, "SELECT count(*) FROM partition_pauses") == [(0,)]
                     pat0 = [t.control_id for t in server.received if t.partition == "PAT0"]
                     assert pat0 == [c for c, p in plan if p == "PAT0"]
 

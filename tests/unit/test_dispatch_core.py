@@ -365,6 +365,13 @@ class TestTransmit:
                                  timespec="milliseconds").replace("+00:00", "Z"),
                              remote="10.1.2.3:50122", body=message("M1").decode(), encoding="utf-8")
 
+    def test_a_partition_of_absent_fields_is_sent_as_the_empty_key(self) -> None:
+        """SPEC: all key fields absent is the key "" on the wire; the row keeps its stored key."""
+        head = dataclasses.replace(row(), partition_key="\x1f")
+        assert build_transmit(head, policy(partitioned=True), 1).partition == ""
+        head = dataclasses.replace(row(), partition_key="FAC\x1fMRN1")
+        assert build_transmit(head, policy(partitioned=True), 1).partition == "FAC\x1fMRN1"
+
     def test_assign_sequence_numbers_sets_msh13_only(self) -> None:
         """MSH-13 of the forwarded text is seq; every other byte is the stored message's."""
         head = row(seq=42)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.core.partition import KEY_SEPARATOR, FieldPath, key_hash, parse_partition_key
+from agent.core.partition import KEY_SEPARATOR, FieldPath, key_hash, parse_partition_key, shown_key
 
 MSG = (
     "MSH|^~\\&|LAB|FAC-A|HIS|HOSP|20240101120000||ADT^A01|C1|P|2.5\r"
@@ -47,6 +47,14 @@ def test_values_at_paths(spec: str, expected: str) -> None:
 
 def test_one_path_all_absent_is_the_empty_key() -> None:
     assert parse_partition_key("PID-3.1").of("MSH|^~\\&|A|B\rEVN|A01\r") == ""
+
+
+def test_several_paths_all_absent_are_shown_as_the_empty_key() -> None:
+    """SPEC: all parts absent is the key "" — as sent and hashed; stored as before (no row changes partition)."""
+    stored = parse_partition_key("MSH-4,PID-3.1").of("MSH|^~\\&|A|\rEVN|A01\r")
+    assert stored == "\x1f"
+    assert shown_key(stored) == "" and key_hash(stored) == key_hash("")
+    assert shown_key("\x1f12345") == "\x1f12345" and shown_key("A\x1f") == "A\x1f" and shown_key("") == ""
 
 
 @pytest.mark.parametrize("ending", ["\r", "\n", "\r\n"])

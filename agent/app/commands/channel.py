@@ -28,6 +28,7 @@ def cmd_channel(settings: Settings, args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     pause = args.channel_command == "pause"
     audit = ActionRecord("pause" if pause else "resume", channel=name)
+    keys = 0
     with open_store(settings, write=True) as store:
         with store.transaction():
             was_paused = name in store.paused_channels()
@@ -35,9 +36,12 @@ def cmd_channel(settings: Settings, args: argparse.Namespace) -> int:
                 if not was_paused:
                     store.pause_channel(name, f"operator ({audit.user})")
                     audit.record(store, rows=0, detail={})
-            elif was_paused:
-                store.resume_channel(name)
-                audit.record(store, rows=0, detail={})
+            else:
+                # Every key's pause too: on_reject = "pause" on a partitioned
+                # channel pauses a key, not the channel.
+                keys = store.resume_channel(name)
+                if was_paused or keys:
+                    audit.record(store, rows=0, detail={"partitions": keys} if keys else {})
         live = store.stats([name])["channels"][name]
     backlog = f"{live[State.QUEUED]} queued, {live[State.CLAIMED] + live[State.INFLIGHT]} in flight"
     if pause:
@@ -47,6 +51,7 @@ def cmd_channel(settings: Settings, args: argparse.Namespace) -> int:
             f"`hl7-agent channel resume {name}` [{backlog}]"
         )
     else:
-        already = "" if was_paused else "already "
-        print(f"channel {name}: {already}resumed; dispatch goes on [{backlog}]")
+        already = "" if was_paused or keys else "already "
+        freed = f"; {keys} paused key{'s' if keys != 1 else ''} resumed" if keys else ""
+        print(f"channel {name}: {already}resumed{freed}; dispatch goes on [{backlog}]")
     return EXIT_OK
