@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 #: inside COMMIT; at 1000, 1.05x and 12.3 -> 11.7 ms; at 256, 0.93x.
 CHECKPOINT_FRAMES = 512
 
+#: How far the WAL file may outgrow its size limit (``journal_size_limit``,
+#: to which a restarted WAL is cut back) before the writer checkpoints at once,
+#: whatever its count says. The free-space floor reserves room for a WAL of
+#: that limit (agent/storage/maintenance.py); past it, the WAL eats the reserve.
+WAL_SLACK_BYTES = 256 * 1024
+
 
 class CheckpointPacer:
     """When the writer runs its next WAL checkpoint: after about ``frames`` committed frames.
@@ -36,15 +42,36 @@ class CheckpointPacer:
     Pure; :func:`passive_checkpoint` is the I/O the writer runs.
     """
 
-    def __init__(self, frames: int = CHECKPOINT_FRAMES, per_commit: float = 12.0) -> None:
+    def __init__(self, frames: int = CHECKPOINT_FRAMES, per_commit: float = 12.0,
+                 wal_limit: int = 4 * 1024 * 1024) -> None:
         self.frames = frames
         self.per_commit = per_commit
         self.commits = 0
+        self.wal_limit = wal_limit
+        self._wal_checked = 0  # the WAL's size at the last checkpoint its size called for
 
     def committed(self) -> bool:
         """A commit happened; True when the checkpoint is due now."""
         self.commits += 1
         return self.commits * self.per_commit >= self.frames
+
+    def wal_too_long(self, wal_bytes: int) -> bool:
+        """The WAL file is ``wal_bytes`` long after a commit: True when that calls for a checkpoint now.
+
+        The count above is an estimate learned from the last interval: after
+        quiet commits of a frame each (lease renewals), a burst of commits of
+        large rows writes many times the frames it expects, and once wrote
+        8 MiB of WAL before its next checkpoint, filling a disk the floor had
+        been keeping free. The file's size is the check the estimate cannot
+        fool: a WAL past its limit has not restarted since it was that short.
+        """
+        if wal_bytes <= self.wal_limit:
+            self._wal_checked = 0
+            return False
+        if wal_bytes <= max(self.wal_limit, self._wal_checked) + WAL_SLACK_BYTES:
+            return False
+        self._wal_checked = wal_bytes
+        return True
 
     def checkpointed(self, wal_frames: int) -> None:
         """The checkpoint ran and found ``wal_frames`` frames in the WAL (-1: it could not look).

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import queue
 import threading
 import time
@@ -60,6 +61,7 @@ import structlog
 from agent.errors import AgentError, StorageError
 from agent.storage import checkpoints
 from agent.storage.rows import IntakeItem, IntakeResult
+from agent.storage.sqlite import WAL_SIZE_LIMIT
 from agent.storage.store import SqliteStore
 
 T = TypeVar("T")
@@ -176,7 +178,8 @@ class Writer:
         self.batches = 0
         self.last_write = time.monotonic()  # of the last batch that changed a row
         #: When to checkpoint the WAL (None: the database server does its own).
-        self._pacer = checkpoints.CheckpointPacer() if store.dialect.file_maintenance else None
+        self._pacer = checkpoints.CheckpointPacer(wal_limit=WAL_SIZE_LIMIT) if store.dialect.file_maintenance else None
+        self._wal = store.db_path.with_name(store.db_path.name + "-wal")
         self._checkpoint_failed_at = -float("inf")
 
     def idle_for(self) -> float:
@@ -429,8 +432,15 @@ class Writer:
         if dialect.changes(conn) != changes:
             self.last_write = time.monotonic()
         self._answer(batch)
-        if self._pacer is not None and self._pacer.committed():
+        if self._pacer is not None and (self._pacer.committed() or self._pacer.wal_too_long(self._wal_bytes())):
             self._checkpoint()
+
+    def _wal_bytes(self) -> int:
+        """The WAL file's size (one stat per batch); 0 when it cannot be read."""
+        try:
+            return os.stat(self._wal).st_size
+        except OSError:
+            return 0
 
     def _checkpoint(self) -> None:
         """The WAL checkpoint the pacer says is due, now that the batch has its answers."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from agent.storage import checkpoints
 from agent.storage.checkpoints import CheckpointPacer
 
 
@@ -32,3 +33,16 @@ def test_a_checkpoint_that_could_not_look_keeps_the_estimate() -> None:
     commits_until_due(pacer)
     pacer.checkpointed(-1)  # busy: another connection was checkpointing
     assert pacer.commits == 0 and commits_until_due(pacer) == 8
+
+
+def test_a_wal_past_its_limit_calls_for_a_checkpoint_whatever_the_count() -> None:
+    """Past the limit by the slack: due; again only after it grew by the slack once more; reset once cut back."""
+    limit, slack = 4096 * 1024, checkpoints.WAL_SLACK_BYTES
+    pacer = CheckpointPacer(wal_limit=limit)
+    assert not pacer.wal_too_long(limit)
+    assert not pacer.wal_too_long(limit + slack)
+    assert pacer.wal_too_long(limit + slack + 1)
+    assert not pacer.wal_too_long(limit + slack + 2)  # a reader held it: not at every commit
+    assert pacer.wal_too_long(limit + 2 * slack + 2)
+    assert not pacer.wal_too_long(limit)  # restarted and cut back to the limit
+    assert pacer.wal_too_long(limit + slack + 1)

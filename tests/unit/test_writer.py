@@ -250,6 +250,28 @@ class TestWalCheckpoints:
         assert largest <= 1.5 * checkpoints.CHECKPOINT_FRAMES * frame + 32, largest
         assert 2 * largest < db.WRITER_AUTOCHECKPOINT_PAGES * frame  # far from the backstop
 
+    def test_a_burst_of_large_rows_after_quiet_commits_keeps_the_wal_within_its_limit(self, writer: Writer) -> None:
+        """The pacer learns ~1 frame per commit from quiet commits; then each commit writes ~20: the WAL's size decides.
+
+        This is how a disk the free-space floor was keeping was filled (the
+        floor reserves a WAL of WAL_SIZE_LIMIT): a backlog drained at once
+        after an outage, 3 KB rows, 8 MiB of WAL before the next checkpoint.
+        """
+        wal = Path(f"{writer.store.db_path}-wal")
+        for _ in range(3 * checkpoints.CHECKPOINT_FRAMES):
+            writer.submit(SqliteStore.probe_write).result(10)  # one small page each
+        pacer = writer._pacer
+        assert pacer is not None and pacer.per_commit < 4, pacer.per_commit
+        largest = 0
+        pad = "X" * 60_000
+        for n in range(200):
+            item = _intake_item(n)
+            item.body = item.body + f"NTE|1||{pad}\r".encode()
+            writer.submit(SqliteStore.intake_batch, [item]).result(10)
+            largest = max(largest, wal.stat().st_size)
+        one_commit = 20 * (4096 + 24)
+        assert largest <= db.WAL_SIZE_LIMIT + checkpoints.WAL_SLACK_BYTES + one_commit, largest
+
     def test_a_batch_is_answered_before_the_checkpoint_runs(self, writer: Writer) -> None:
         """The checkpoint that falls due after a commit waits for that batch's answers, never the reverse."""
         events: list[str] = []
