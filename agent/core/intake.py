@@ -95,6 +95,11 @@ JUNK_READ_PAUSE = 0.01
 #: so a flood of junk can neither fill the disk nor queue up on the writer.
 AUDIT_ROWS_PER_WINDOW = 100
 AUDIT_WINDOW = 60.0
+#: Retransmits answered from dedupe logged per connection per window (info);
+#: beyond it they are counted in one line per window: a sender stuck in a
+#: resend loop must not fill the log's disk (one line each wrote 52 MB in 30 s).
+REPLAY_LOGS_PER_WINDOW = 20
+REPLAY_EVENT = "retransmit_answered_from_dedupe"
 #: Audit rows of one connection waiting for the writer; at the bound reading pauses.
 MAX_PENDING_AUDITS = 32
 #: Application ACKs one connection waits for at once (enhanced mode). Beyond it
@@ -162,6 +167,8 @@ class IntakeConnection:
         self._window_start = -AUDIT_WINDOW
         self._rows_in_window = 0
         self._unstored = 0
+        self._replays_in_window = 0
+        self._replays_unlogged = 0
 
     # -- queries -------------------------------------------------------------------
 
@@ -274,7 +281,7 @@ class IntakeConnection:
                     self._timed_out("idle")
         if self.phase is Phase.LINGERING and now >= self._linger_until:
             self._end_linger()
-        if self._unstored and now >= self._window_start + AUDIT_WINDOW:
+        if (self._unstored or self._replays_unlogged) and now >= self._window_start + AUDIT_WINDOW:
             self._log_unstored()
         self._sync()
 
@@ -556,6 +563,8 @@ class IntakeConnection:
                 self._audits_pending += 1
                 self._emit(effect)
                 self._actions.extend(effect.then)
+            elif type(effect) is Log and effect.event == REPLAY_EVENT and not self._replay_logged():
+                continue
             else:
                 self._actions.append(effect)  # self._emit, inlined on the per-message path
         if decision.batch is not None:
@@ -681,11 +690,7 @@ class IntakeConnection:
 
     def _audit_allowed(self) -> bool:
         """Take one audit row of this window's quota; else count the frame (metric, summary line)."""
-        now = self.clock.monotonic()
-        if now - self._window_start >= AUDIT_WINDOW:
-            self._log_unstored()
-            self._window_start = now
-            self._rows_in_window = 0
+        self._roll_window()
         if self._rows_in_window < AUDIT_ROWS_PER_WINDOW:
             self._rows_in_window += 1
             return True
@@ -694,11 +699,33 @@ class IntakeConnection:
         self._emit(Count(Counter.AUDIT_ROW_NOT_STORED))
         return False
 
+    def _roll_window(self) -> None:
+        """A new window of the audit-row and replay-log quotas once the last one is over."""
+        now = self.clock.monotonic()
+        if now - self._window_start >= AUDIT_WINDOW:
+            self._log_unstored()
+            self._window_start = now
+            self._rows_in_window = 0
+            self._replays_in_window = 0
+
+    def _replay_logged(self) -> bool:
+        """Take one replay log line of this window's quota; else count it for the summary line."""
+        self._roll_window()
+        if self._replays_in_window < REPLAY_LOGS_PER_WINDOW:
+            self._replays_in_window += 1
+            return True
+        self._replays_unlogged += 1
+        return False
+
     def _log_unstored(self) -> None:
         if self._unstored:
             self._emit(Log("warning", "audit_rows_not_stored", {
                 "count": self._unstored, "limit": AUDIT_ROWS_PER_WINDOW, "window_s": AUDIT_WINDOW}))
             self._unstored = 0
+        if self._replays_unlogged:
+            self._emit(Log("info", "retransmits_answered_not_logged", {
+                "count": self._replays_unlogged, "limit": REPLAY_LOGS_PER_WINDOW, "window_s": AUDIT_WINDOW}))
+            self._replays_unlogged = 0
 
     # -- the end ------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from agent.core.intake import (
     MAX_PENDING_AUDITS,
     MAX_PENDING_RELAYS,
     MAX_PIPELINED_FRAMES,
+    REPLAY_LOGS_PER_WINDOW,
     IntakeConnection,
 )
 from agent.core.intake_actions import (
@@ -301,6 +302,23 @@ class TestOrderAndBounds:
         peer.conn.tick()
         peer.pump()
         assert [e.fields["count"] for e in peer.logs("audit_rows_not_stored")] == [30]
+
+    def test_replay_log_lines_are_bounded_then_counted(self) -> None:
+        """A sender in a resend loop: 20 replay lines per connection per minute, then one line with the count."""
+        peer = Peer.open()
+        for _ in range(REPLAY_LOGS_PER_WINDOW + 15):
+            peer.send(framed(hl7_message("SAME")))
+            peer.commit(outcome="duplicate", commit_ack=b"MSH|^~\\&|ACK\rMSA|AA|SAME\r", prior_state="processed")
+        assert len(peer.of(Send)) == REPLAY_LOGS_PER_WINDOW + 15  # every retransmit still gets its ACK
+        assert len(peer.logs("retransmit_answered_from_dedupe")) == REPLAY_LOGS_PER_WINDOW
+        assert peer.logs("retransmits_answered_not_logged") == []
+        peer.clock.now += AUDIT_WINDOW
+        peer.conn.tick()
+        peer.pump()
+        assert [e.fields["count"] for e in peer.logs("retransmits_answered_not_logged")] == [15]
+        peer.send(framed(hl7_message("SAME")))
+        peer.commit(outcome="duplicate", commit_ack=b"MSH|^~\\&|ACK\rMSA|AA|SAME\r", prior_state="processed")
+        assert len(peer.logs("retransmit_answered_from_dedupe")) == REPLAY_LOGS_PER_WINDOW + 1  # a new window
 
     def test_junk_past_the_bound_pauses_the_sender(self) -> None:
         """A sender whose frames are only counted waits a moment before its next bytes are looked at."""
