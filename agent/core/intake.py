@@ -169,6 +169,7 @@ class IntakeConnection:
         self._unstored = 0
         self._replays_in_window = 0
         self._replays_unlogged = 0
+        self._writes_paused_since: float | None = None
 
     # -- queries -------------------------------------------------------------------
 
@@ -207,9 +208,11 @@ class IntakeConnection:
     def next_deadline(self) -> float | None:
         """When ``tick()`` is next due (monotonic), if ever."""
         if (self.phase is Phase.OPEN and self._resume_at is None and self._frame_left is None
-                and not self.policy.idle_timeout and not self._unstored):
+                and not self.policy.idle_timeout and not self._unstored and self._writes_paused_since is None):
             return None  # between frames, no idle_timeout: what the shell asks twice per message
         due: list[float] = []
+        if self._writes_paused_since is not None and self.phase not in DONE:
+            due.append(self._writes_paused_since + self.policy.frame_timeout)
         if self._resume_at is not None:
             due.append(self._resume_at)
         if self.phase in READING:
@@ -279,6 +282,9 @@ class IntakeConnection:
                 idle_at = self._idle_deadline()
                 if idle_at is not None and now >= idle_at:
                     self._timed_out("idle")
+        if (self._writes_paused_since is not None and self.phase not in DONE
+                and now >= self._writes_paused_since + self.policy.frame_timeout):
+            self._write_stalled()
         if self.phase is Phase.LINGERING and now >= self._linger_until:
             self._end_linger()
         if (self._unstored or self._replays_unlogged) and now >= self._window_start + AUDIT_WINDOW:
@@ -336,8 +342,17 @@ class IntakeConnection:
         self._sync()
 
     def writing_paused(self, paused: bool) -> None:
-        """The socket buffer is full (the sender does not read): stop writing until it drains."""
+        """The socket buffer is full (the sender does not read): stop writing until it drains.
+
+        Reading stops meanwhile too, so frame_timeout cannot fire: a sender
+        that never reads its ACKs would hold its connection (and a slot of
+        max_connections) for good. It gets frame_timeout to read again.
+        """
         self._writes_paused = paused
+        if not paused:
+            self._writes_paused_since = None
+        elif self._writes_paused_since is None:
+            self._writes_paused_since = self.clock.monotonic()
         self._pump()
         self._sync()
 
@@ -546,6 +561,19 @@ class IntakeConnection:
             self._emit(Log("info", "connection_idle_timeout", {"idle_timeout": self.policy.idle_timeout}))
         self._emit(Count(Counter.CONNECTION_TIMED_OUT, kind))
         self._end_of_input()
+
+    def _write_stalled(self) -> None:
+        """The sender read none of its ACKs for frame_timeout with the buffers full: cut it off.
+
+        What it is owed and was not written is recorded undelivered: a
+        retransmit gets its ACK from dedupe.
+        """
+        self._writes_paused_since = None
+        self._emit(Log("warning", "connection_write_stalled", {"frame_timeout": self.policy.frame_timeout}))
+        self._emit(Count(Counter.CONNECTION_TIMED_OUT, "write"))
+        self._move(Phase.CLOSED)
+        self._emit(Abort())
+        self._cleanup()
 
     def _idle_deadline(self) -> float | None:
         """idle_timeout counts from the last frame or ACK, and only while nothing is owed."""

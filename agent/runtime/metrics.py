@@ -309,7 +309,8 @@ class AgentMetrics:
         )
         self._timed_out = Counter(
             "hl7_agent_connections_timed_out",
-            "Connections closed by frame_timeout (a started frame did not complete) or idle_timeout.",
+            "Connections closed by frame_timeout (a started frame did not complete, or the sender read no ACK: "
+            "timeout=write) or idle_timeout.",
             ["channel", "timeout"],
             registry=r,
         )

@@ -203,6 +203,21 @@ class ConnectionSet:
             conn.release_held()
 
 
+#: TCP keepalive (Linux): a peer gone without FIN (powered off, cable pulled) is
+#: noticed in about 2 minutes, and its connection no longer counts against
+#: max_connections. A live peer that does not read is frame_timeout's.
+KEEPALIVE = ((getattr(socket, "TCP_KEEPIDLE", None), 60), (getattr(socket, "TCP_KEEPINTVL", None), 10),
+             (getattr(socket, "TCP_KEEPCNT", None), 6))
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """Turn TCP keepalive on with KEEPALIVE's timers (OSError if the socket refuses)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in KEEPALIVE:
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
 class Connection(asyncio.Protocol):
     """One sender's connection: pumps bytes into the intake core and applies its actions."""
 
@@ -251,6 +266,7 @@ class Connection(asyncio.Protocol):
             with contextlib.suppress(OSError):
                 # Each ACK in its own write, not coalesced by Nagle (docs/acks.md#how-acks-are-written).
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                keep_alive(sock)
         self._served = True
         self.listener.opened(self)
         self.log.info("connection_opened")

@@ -22,7 +22,6 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import socket
 import ssl
 import time
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ import structlog
 from agent.core import retry
 from agent.core.intake_types import ChannelPolicy
 from agent.core.timefmt import rfc3339
-from agent.runtime.mllp_connection import Connection, ConnectionSet
+from agent.runtime.mllp_connection import Connection, ConnectionSet, keep_alive
 from agent.runtime.mllp_server import IntakeContext, channel_policy
 from agent.storage.store import SqliteStore
 
@@ -52,9 +51,6 @@ JITTER = 0.2
 #: closes at once (it serves another client) keeps backing off instead of
 #: being redialled every ``reconnect_initial``.
 STABLE_AFTER = 10.0
-#: TCP keepalive (Linux): a sender gone without FIN is noticed in about 2 minutes.
-KEEPALIVE = ((getattr(socket, "TCP_KEEPIDLE", None), 60), (getattr(socket, "TCP_KEEPINTVL", None), 10),
-             (getattr(socket, "TCP_KEEPCNT", None), 6))
 
 OutboundState = Literal["connecting", "connected", "reconnecting", "stopped"]
 
@@ -197,10 +193,7 @@ class OutboundChannel(ConnectionSet):
         if sock is not None:
             with contextlib.suppress(OSError):
                 # A sender that vanishes without FIN is noticed (the connection is dialled again).
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                for option, value in KEEPALIVE:
-                    if option is not None:
-                        sock.setsockopt(socket.IPPROTO_TCP, option, value)
+                keep_alive(sock)
         self.connects += 1
         self.failures = 0  # dial failures; a connection that does not stand still backs off (STABLE_AFTER)
         self.last_error = None

@@ -303,6 +303,55 @@ class TestTimeouts:
         timed_out = log_events(logs, "connection_frame_timeout")
         assert len(timed_out) == 1 and timed_out[0]["frame_timeout"] == 1.0
 
+    def test_a_sender_that_never_reads_its_acks_is_cut_off_and_frees_its_place(self, tmp_path: Path) -> None:
+        """Pipelined retransmits, no reads: the buffers fill, the agent stops reading and, frame_timeout later, cuts it off.
+
+        Real sockets with small buffers (the client's receive buffer before
+        connect, the agent's send buffer set here on its accepted socket) so
+        a few hundred ACKs fill them. The one place (max_connections = 1) is
+        free again afterwards. The accepted socket has TCP keepalive on.
+        """
+
+        async def scenario(agent: Agent, port: int) -> None:
+            deaf = socket.socket()
+            deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            deaf.connect(("127.0.0.1", port))
+            await until(lambda: bool(agent.listeners[0].connections), 5, "the connection admitted")
+            (conn,) = agent.listeners[0].connections
+            sock = conn._transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            frame = mllp.encode_frame(hl7_message("DEAF"))
+
+            def flood() -> float:
+                """Send until the agent resets the connection; seconds from the first stalled send."""
+                deaf.settimeout(0.2)
+                stalled = None
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    try:
+                        deaf.sendall(frame)
+                    except TimeoutError:
+                        stalled = stalled or time.monotonic()
+                    except OSError:  # reset or broken pipe: cut off
+                        return time.monotonic() - (stalled or time.monotonic())
+                raise AssertionError("the deaf sender was never cut off")
+
+            try:
+                after_stall = await asyncio.to_thread(flood)
+            finally:
+                deaf.close()
+            assert after_stall < 1.0 + 3.0, after_stall
+            newcomer = await Sender.open(port)
+            try:
+                assert ack_code(await newcomer.exchange(hl7_message("NEXT"))) == "AA"
+            finally:
+                newcomer.close()
+
+        with capture_logs() as logs:
+            run_agent(tmp_path, scenario, frame_timeout=1, max_connections=1)
+        assert [e["frame_timeout"] for e in log_events(logs, "connection_write_stalled")] == [1.0]
+
     def test_a_slow_but_steady_frame_within_frame_timeout_is_accepted(self, tmp_path: Path) -> None:
         """frame_timeout bounds a frame, not a read: a frame trickled in pieces within it is committed and ACKed."""
 

@@ -396,6 +396,36 @@ class TestTimeouts:
         assert Count(Counter.CONNECTION_TIMED_OUT, "frame") in peer.actions
         assert peer.conn.phase is Phase.CLOSED and peer.of(Close)
 
+    def test_a_sender_that_reads_no_ack_is_cut_off_after_frame_timeout(self) -> None:
+        """Its buffers full, we stop reading, so the frame clock stops: the write stall has a clock of its own."""
+        peer = Peer.open(ChannelPolicy("adt", frame_timeout=5.0))
+        peer.send(framed(hl7_message("W1")))
+        peer.conn.writing_paused(True)  # the kernel buffer is full: the sender reads nothing
+        peer.commit()
+        assert peer.conn.next_deadline() == pytest.approx(peer.clock.now + 5.0)
+        peer.clock.now += 3
+        peer.conn.writing_paused(True)  # paused again: the clock runs from the first pause
+        peer.conn.tick()
+        peer.pump()
+        assert not peer.of(Abort)
+        peer.clock.now += 2
+        peer.conn.tick()
+        peer.pump()
+        assert [e.fields["frame_timeout"] for e in peer.logs("connection_write_stalled")] == [5.0]
+        assert Count(Counter.CONNECTION_TIMED_OUT, "write") in peer.actions
+        assert peer.conn.phase is Phase.CLOSED and peer.of(Abort)
+
+    def test_a_sender_that_reads_again_in_time_stays(self) -> None:
+        peer = Peer.open(ChannelPolicy("adt", frame_timeout=5.0))
+        peer.conn.writing_paused(True)
+        peer.clock.now += 4
+        peer.conn.writing_paused(False)
+        peer.clock.now += 4
+        peer.conn.tick()
+        peer.pump()
+        assert peer.conn.phase is Phase.OPEN and not peer.of(Abort)
+        assert peer.conn.next_deadline() is None
+
     def test_the_frame_clock_stops_while_we_do_not_read(self) -> None:
         """Time the connection spends waiting for its own commits is not the sender's."""
         peer = Peer.open(ChannelPolicy("adt", frame_timeout=5.0))
