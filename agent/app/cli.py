@@ -233,13 +233,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from agent.app.config import render_effective
-    from agent.app.preflight import data_dir_problem
+    from agent.app.preflight import data_dir_problem, tls_problem
 
     settings = _settings(args)
     # The daemon could not start with it: a configuration this user cannot run is not valid.
     problem = data_dir_problem(settings.agent.data_dir)
     if problem is not None:
         raise ConfigError(f"config error: {problem.message()}")
+    tls = tls_problem(settings)
+    if tls is not None:
+        raise ConfigError(f"config error: {tls[1]}")
     text = render_effective(settings)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     return EXIT_OK

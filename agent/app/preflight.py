@@ -14,6 +14,7 @@ import pwd
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -98,6 +99,35 @@ def data_dir_problem(data_dir: Path) -> DataDirProblem | None:
             f"have root create it for that user (install -d -m 0700 -o {name} {data_dir}) "
             "or set agent.data_dir to a folder it can write",
         )
+    return None
+
+
+def tls_problem(settings: Any) -> tuple[str, str] | None:  # noqa: ANN401 - Settings (no import cycle)
+    """The first TLS file set that does not load as ``run`` loads it: (key, "<key>: cannot load …"), or None.
+
+    A key that does not match its certificate, a key where the certificate
+    belongs, a CA file without a certificate: each loads only when a context
+    is built, which for the upstream is the first connect (the daemon would
+    start and fail every connect). ``check-config`` and ``run`` find it first.
+    """
+    from agent.runtime.mllp_server import build_server_ssl
+    from agent.runtime.outbound import build_client_ssl
+    from agent.runtime.upstream import upstream_ssl_context
+
+    for index, channel in enumerate(settings.channels):
+        build = build_client_ssl if channel.outbound else build_server_ssl
+        key = ("tls_server_ca" if channel.tls_cert is None else "tls_cert") if channel.outbound else "tls_cert"
+        try:
+            build(channel)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            return (f"channels[{index}].{key}",
+                    f"channels[{index}].{key}: cannot load the TLS files of channel {channel.name!r}: {exc}")
+    server = settings.server
+    try:
+        upstream_ssl_context(server.url, server.ca_file, server.client_cert, server.client_key)
+    except (OSError, ValueError) as exc:
+        key = "client_cert" if server.client_cert is not None else "ca_file"
+        return f"server.{key}", f"server.{key}: cannot load the TLS files for {server.url}: {exc}"
     return None
 
 

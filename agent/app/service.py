@@ -31,7 +31,7 @@ import structlog
 from agent import __version__
 from agent.app import overlap
 from agent.app.config import Settings
-from agent.app.preflight import data_dir_problem, log_start_failure
+from agent.app.preflight import data_dir_problem, log_start_failure, tls_problem
 from agent.core.timefmt import rfc3339
 from agent.errors import AdminListenInUse, ConfigError, StartupError, StorageError
 from agent.runtime import adoption, audit, sockets
@@ -95,6 +95,9 @@ class Agent:
         if problem is not None:
             raise StartupError(problem.message(), key="agent.data_dir", path=str(problem.path),
                                error=problem.error)
+        tls = tls_problem(s)
+        if tls is not None:  # found now, not at every connect to come
+            raise StartupError(tls[1], key=tls[0], error=tls[1])
         # SQLite's file in data_dir, or the PostgreSQL database of queue.dsn.
         try:
             writer_store, reader_store = open_stores(s.db_path, s.queue, s.agent.id, time.time())

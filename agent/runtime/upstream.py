@@ -36,6 +36,7 @@ import random
 import ssl
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -113,12 +114,17 @@ def _safe_url(url: str) -> str:
 
 
 def _ssl_context(settings: LinkSettings) -> ssl.SSLContext | None:
-    """TLS for wss:// from ca_file / client_cert / client_key; None for ws://."""
-    if urlsplit(settings.url).scheme != "wss":
+    return upstream_ssl_context(settings.url, settings.ca_file, settings.client_cert, settings.client_key)
+
+
+def upstream_ssl_context(url: str | None, ca_file: str | Path | None, client_cert: str | Path | None,
+                         client_key: str | Path | None) -> ssl.SSLContext | None:
+    """TLS for wss:// from ca_file / client_cert / client_key; None for ws:// (or no URL)."""
+    if url is None or urlsplit(url).scheme.lower() != "wss":
         return None
-    context = ssl.create_default_context(cafile=settings.ca_file)
-    if settings.client_cert:
-        context.load_cert_chain(settings.client_cert, settings.client_key)
+    context = ssl.create_default_context(cafile=None if ca_file is None else str(ca_file))
+    if client_cert:
+        context.load_cert_chain(str(client_cert), None if client_key is None else str(client_key))
     return context
 
 

@@ -11,12 +11,13 @@ import asyncio
 import os
 import shutil
 import ssl
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from agenttest import exchange, hl7_message, log_events, make_test_pki, run_with_agent
+from agenttest import exchange, free_port, hl7_message, log_events, make_test_pki, run_with_agent
 from structlog.testing import capture_logs
 
 from agent.app.config import ChannelSettings
@@ -184,3 +185,40 @@ class TestRateLimit:
         assert [(line["peer"], line["not_logged"]) for line in log.lines] == [
             ("10.0.0.1:5000", 0), ("10.0.0.2:6000", 0), ("10.0.0.1:5002", 4)]
         assert log.lines[0]["reason"] == "connection closed during the handshake"
+
+
+class TestTlsFilesLoadBeforeStart:
+    """A certificate whose key does not match loads only when its context is built: check-config and run build them first."""
+
+    @staticmethod
+    def _cli(tmp_path: Path, config: str, *args: str) -> tuple[int, str]:
+        path = tmp_path / "agent.toml"
+        path.write_text(config, encoding="utf-8")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HL7_AGENT_")}
+        done = subprocess.run([sys.executable, "-m", "agent", *args, "--config", str(path)], env=env,
+                              capture_output=True, text=True, timeout=60, check=False)
+        return done.returncode, done.stderr
+
+    def test_a_channel_certificate_with_another_key(self, tmp_path: Path, pki: Path) -> None:
+        config = (f'[agent]\ndata_dir = "{tmp_path / "data"}"\n[admin]\nlisten = ""\n'
+                  f'[[channels]]\nname = "adt"\nlisten = "127.0.0.1:{free_port()}"\n'
+                  f'tls_cert = "{pki / "server.pem"}"\ntls_key = "{pki / "client.key"}"\n')
+        code, err = self._cli(tmp_path, config, "check-config")
+        assert code == 2, err
+        assert "channels[0].tls_cert: cannot load the TLS files of channel 'adt'" in err
+        assert "Traceback" not in err
+
+    def test_upstream_client_files_that_do_not_load(self, tmp_path: Path, pki: Path) -> None:
+        """check-config exits 2; run exits 1 at start, rather than starting and failing every connect."""
+        config = (f'[agent]\ndata_dir = "{tmp_path / "data"}"\n[admin]\nlisten = ""\n'
+                  f'[server]\nurl = "wss://127.0.0.1:9/agent"\n'
+                  f'client_cert = "{pki / "client.pem"}"\nclient_key = "{pki / "server.key"}"\n'
+                  f'[[channels]]\nname = "adt"\nlisten = "127.0.0.1:{free_port()}"\n')
+        code, err = self._cli(tmp_path, config, "check-config")
+        assert code == 2 and "server.client_cert: cannot load the TLS files" in err, err
+        code, err = self._cli(tmp_path, config, "run")
+        assert code == 1 and "server.client_cert: cannot load the TLS files" in err, err
+        ca_is_a_key = config.replace(f'client_cert = "{pki / "client.pem"}"\nclient_key = "{pki / "server.key"}"\n',
+                                     f'ca_file = "{pki / "ca.key"}"\n')
+        code, err = self._cli(tmp_path, ca_is_a_key, "check-config")
+        assert code == 2 and "server.ca_file: cannot load the TLS files" in err, err
