@@ -20,7 +20,12 @@ from datetime import datetime
 from enum import Enum, StrEnum
 
 from agent.core import charsets, mllp
-from agent.core.envelope import DEFAULT_ENCODING_CHARS, DEFAULT_FIELD_SEP, Envelope
+from agent.core.envelope import (
+    DEFAULT_ENCODING_CHARS,
+    DEFAULT_FIELD_SEP,
+    Envelope,
+    separators_problem,
+)
 
 __all__ = [
     "TABLE_0357",
@@ -35,6 +40,7 @@ __all__ = [
     "read_ack_code",
     "relayed_ack",
     "server_reason",
+    "usable_server_ack",
 ]
 
 
@@ -400,6 +406,32 @@ def app_ack_from_status(
         codec=codec,
         now=now,
     )
+
+
+def usable_server_ack(ack_text: str) -> bool:
+    """Whether the server's ``ack`` can stand as the sender's ACK: an MSH first, usable delimiters, an MSA code.
+
+    Anything else (``"MSA|"``, blank segments, a NUL among the delimiters,
+    an MSA before the MSH) would reach the sender as an ACK it cannot read,
+    and be replayed on every retransmit: the agent builds one from the
+    status instead (docs/acks.md#relayed-application-acks).
+    """
+    segments = [seg for seg in _TEXT_SEGMENT_SPLIT.split(ack_text.strip("\x0b\x1c\r\n ")) if seg]
+    if not segments or not segments[0].startswith("MSH") or len(segments[0]) < 5:
+        return False
+    head = segments[0]
+    field_sep = head[3]
+    encoding_chars = head[4:].split(field_sep, 1)[0]
+    if not 1 <= len(encoding_chars) <= 5 or separators_problem(field_sep, encoding_chars) is not None:
+        return False
+    for segment in segments[1:]:
+        if segment.startswith("MSA" + field_sep):
+            fields = segment.split(field_sep)
+            return len(fields) > 1 and bool(fields[1].strip())
+    return False
+
+
+_TEXT_SEGMENT_SPLIT = re.compile(r"\r\n|\r|\n")
 
 
 def relayed_ack(ack_text: str, codec: str) -> bytes:

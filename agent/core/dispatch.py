@@ -344,13 +344,16 @@ def _application_ack(
     if row.ack_mode == "commit":
         return None, ()
     try:
-        if ack_text:
+        if ack_text and acks.usable_server_ack(ack_text):
             return acks.relayed_ack(ack_text, row.encoding), ()
+        notes: tuple[Note, ...] = ()
+        if ack_text:
+            notes = (Note.of("warning", "server_ack_unusable", id=row.id, channel=row.channel, status=status),)
         try:
             inbound = envelope.read_msh(row.body)
         except HL7Error:
-            return None, ()
-        return acks.app_ack_from_status(inbound, status, row.encoding, now=now), ()
+            return None, notes
+        return acks.app_ack_from_status(inbound, status, row.encoding, now=now), notes
     except Exception as exc:  # noqa: BLE001 - one row's ACK must never stop dispatch
         note = Note.of("error", "application_ack_unbuildable", id=row.id, channel=row.channel,
                        error_type=type(exc).__name__)

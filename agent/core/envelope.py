@@ -31,6 +31,7 @@ __all__ = [
     "read_msh",
     "read_wide_msh",
     "scrape_control_id",
+    "separators_problem",
     "set_msh_field",
 ]
 
@@ -181,6 +182,12 @@ def _usable_delimiter(ch: str) -> bool:
     either makes an ACK the sender cannot split.
     """
     return "!" <= ch <= "~" and not ch.isalnum()
+
+
+def separators_problem(field_sep: str, encoding_chars: str) -> tuple[str, int] | None:
+    """Why MSH-1/MSH-2 cannot serve as delimiters (text, error code), or None (for any HL7 text, not only intake's)."""
+    check = _separators_problem if len(encoding_chars) <= 5 else _separators_problem.__wrapped__
+    return check(field_sep, encoding_chars)
 
 
 @functools.lru_cache(maxsize=64)

@@ -255,6 +255,26 @@ class TestApplicationAck:
         assert isinstance(action, Settle)
         assert action.app_ack == text.replace("\n", "\r").encode()
 
+    @pytest.mark.parametrize("text", [
+        "MSH", "MSA|", "MSHX", "\r\r\r", "MSH|\x00~\\&|EHR|C\rMSA|AA|M1\r", "MSA|AA|X\rMSH|^~\\&|EHR|C\r",
+        "MSH|^~\\&|EHR|C\rPID|1\r", "MSH|^~\\&|EHR|C\rMSA||M1\r", "not hl7 at all"])
+    def test_an_ack_that_is_no_ack_is_replaced_by_one_built_from_the_status(self, text: str) -> None:
+        """The sender would get (and get again on every retransmit) an ACK it cannot read: the agent builds one."""
+        head = row(state=State.INFLIGHT, attempts=1, ack_mode="application")
+        action = on_response(head, 1, answer(head, 1, 200, ack=text), policy(), NOW)
+        assert isinstance(action, Settle) and action.app_ack is not None
+        assert acks.read_ack_code(action.app_ack) == "AA"
+        assert action.app_ack.split(b"\r")[1].split(b"|")[2] == b"M1"
+        assert [n.event for n in action.notes] == ["server_ack_unusable"]
+
+    @pytest.mark.parametrize("text", [
+        "MSH|^~\\&|EHR|C\rMSA|AE|M1|no\r", "MSH#^~\\&#E\nMSA#CA#M1\n", "\x0bMSH|^~\\&\r\nMSA|AA\r\n\x1c"])
+    def test_an_ack_with_an_msh_and_an_msa_code_is_relayed_as_sent(self, text: str) -> None:
+        head = row(state=State.INFLIGHT, attempts=1, ack_mode="application")
+        action = on_response(head, 1, answer(head, 1, 200, ack=text), policy(), NOW)
+        assert isinstance(action, Settle) and action.notes == ()
+        assert action.app_ack == acks.relayed_ack(text, "utf-8")
+
     @pytest.mark.parametrize(("status", "code"), [(200, "AA"), (201, "AA"), (400, "AE"), (422, "AE")])
     def test_without_ack_text_one_is_built_from_the_status(self, status: int, code: str) -> None:
         """No ack from the server: AA for 2xx, AE for 4xx, answering the row's own MSH-10."""
