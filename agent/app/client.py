@@ -28,6 +28,7 @@ from agent.errors import HL7Error
 _LINE_ENDINGS = re.compile(rb"\r\n|\n")
 _UTF8_BOM = b"\xef\xbb\xbf"
 _MSH_START = re.compile(rb"(?:^|\r)(?=MSH)")
+_BETWEEN_FRAMES = re.compile(rb"(\x1c\r)[ \t\r\n]+(?=\x0b|$)")
 
 
 def split_messages(data: bytes) -> list[bytes]:
@@ -38,6 +39,8 @@ def split_messages(data: bytes) -> list[bytes]:
     """
     data = data.removeprefix(_UTF8_BOM)  # files saved by Windows editors
     if mllp.START_BLOCK in data:
+        # A line break after each frame is how many tools export MLLP: not junk.
+        data = _BETWEEN_FRAMES.sub(rb"\1", data).lstrip(b" \t\r\n")
         decoder = mllp.MllpDecoder(max(len(data), 1))
         events = decoder.feed(data)
         skipped = sum(e.count for e in events if isinstance(e, mllp.JunkSkipped)) + decoder.buffered_bytes()
@@ -66,6 +69,26 @@ def decode_ack(ack: bytes) -> str:
             return ack.decode("utf-8")
         except UnicodeDecodeError:
             return ack.decode("latin-1")
+
+
+def answered_control_id(message: bytes, ack: bytes) -> tuple[str, str] | None:
+    """(sent MSH-10, the ACK's MSA-2) when they differ: the ACK is for another message. None otherwise.
+
+    Only for a single message and an ACK that can be read; a batch's ACK is
+    a batch, and a receiver that leaves MSA-2 empty says nothing either way.
+    """
+    if is_batch(message):
+        return None
+    try:
+        sent = read_msh(message).control_id.strip()
+    except HL7Error:
+        return None
+    for segment in re.split(rb"\r\n|\r|\n", ack):
+        if segment.startswith(b"MSA") and len(segment) > 3:
+            fields = segment.split(segment[3:4])
+            answered = fields[2].decode("latin-1").strip() if len(fields) > 2 else ""
+            return (sent, answered) if answered and sent and answered != sent else None
+    return None
 
 
 def ack_accepted(ack: bytes) -> bool:
@@ -188,6 +211,10 @@ def send_files(host: str, port: int, files: list[str], *, timeout: float = 30.0,
             for segment in re.split(r"\r\n|\r|\n", text):
                 if segment:
                     print(segment)
+            mismatch = answered_control_id(message, ack)
+            if mismatch is not None:
+                print(f"# {name} message {index}: warning: the ACK answers control id {mismatch[1]!r}, "
+                      f"not {mismatch[0]!r} (MSA-2): it acknowledges another message", file=sys.stderr)
             if not ack_accepted(ack):
                 failures += 1
             print()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.app.client import ack_accepted, decode_ack, split_messages
+from agent.app.client import ack_accepted, answered_control_id, decode_ack, split_messages
 from agent.core import mllp
 
 
@@ -41,6 +41,29 @@ class TestSplitMessages:
         data = mllp.encode_frame(b"MSH|A") + b"\x0bMSH|B\x1c\n"
         assert split_messages(data) == [b"MSH|A"]
         assert "not sent" in capsys.readouterr().err
+
+
+    def test_line_breaks_between_frames_are_no_junk(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """Many tools export MLLP with a newline after each frame: both frames go, no warning."""
+        data = b"\n" + mllp.encode_frame(b"MSH|A") + b"\r\n" + mllp.encode_frame(b"MSH|B") + b"\n\n"
+        assert split_messages(data) == [b"MSH|A", b"MSH|B"]
+        assert capsys.readouterr().err == ""
+
+
+class TestAnsweredControlId:
+    MSG = b"MSH|^~\\&|A|B|C|D|||ADT^A01|C42|P|2.5\rPID|1\r"
+
+    def test_an_ack_for_another_message_is_named(self) -> None:
+        assert answered_control_id(self.MSG, b"MSH|^~\\&|C|D|A|B|||ACK|9|P|2.5\rMSA|AA|WRONG\r") == ("C42", "WRONG")
+
+    @pytest.mark.parametrize("ack", [b"MSH|^~\\&|C|D|A|B|||ACK|9|P|2.5\rMSA|AA|C42\r",
+                                     b"MSH|^~\\&|C|D|A|B|||ACK|9|P|2.5\rMSA|AE|\r", b"garbage"])
+    def test_a_matching_empty_or_unreadable_msa2_says_nothing(self, ack: bytes) -> None:
+        assert answered_control_id(self.MSG, ack) is None
+
+    def test_a_batch_is_not_checked(self) -> None:
+        batch = b"BHS|^~\\&\r" + self.MSG + b"BTS|1\r"
+        assert answered_control_id(batch, b"MSH|^~\\&|C|D|A|B|||ACK|9|P|2.5\rMSA|AA|OTHER\r") is None
 
 
 class TestDecodeAck:
