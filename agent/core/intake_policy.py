@@ -180,6 +180,13 @@ def codec_or_default(env: Envelope | None, policy: ChannelPolicy) -> str:
         return "ascii"
 
 
+def backpressure_text(result: CommitResult) -> str:
+    """MSA-3 of a refusal for room: which limit, in words a sender's operator can act on."""
+    if result.refused_for == "disk":
+        return "disk space low: message not accepted, resend later"
+    return "queue full: message not accepted, resend later"
+
+
 def refuse(
     env: Envelope | None,
     body: bytes,
@@ -236,7 +243,7 @@ def replies_for(message: NewMessage, result: CommitResult, policy: ChannelPolicy
                           commit_ack=message.commit_ack, app_ack=None, first=first)
     ids = {"control_id": env.control_id, "message_type": env.message_type, "id": result.message_id}
     if result.outcome == "backpressure":
-        return refuse(env, message.body, Outcome.RESEND_LATER, 207, "queue full: message not accepted, resend later",
+        return refuse(env, message.body, Outcome.RESEND_LATER, 207, backpressure_text(result),
                       message.received_at, codec=message.codec, audit=False,
                       first=(Log("warning", "message_refused_backpressure", ids),), ack_always=ack_always)
     if result.outcome == "conflict":

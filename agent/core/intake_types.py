@@ -127,6 +127,8 @@ class CommitResult(Protocol):
     def app_ack(self) -> bytes | None: ...
     @property
     def prior_state(self) -> str | None: ...
+    @property
+    def refused_for(self) -> str: ...  # backpressure: "size" or "disk"
 
 
 # -- what a sender is owed (also what travels to a successor: agent.runtime.adoption) --

@@ -71,6 +71,9 @@ SPACE_RECHECK_BYTES = 16 * 1024 * 1024
 #: for zero bytes passes on a file that refuses every real message.
 PROBE_MESSAGE_BYTES = 256
 
+#: Why intake refuses when the file reached its cap (room_problem's first answer).
+AT_MAX_DB_BYTES = "the queue database is at queue.max_db_bytes"
+
 #: Free pages a file keeps for its next rows rather than handing them back at
 #: once (4 MiB of 4 KiB pages): steady intake after a retention sweep reuses
 #: them instead of shrinking and regrowing the file. Under backpressure all go.
@@ -91,6 +94,8 @@ class Space:
     page_size: int = 0
     #: time.monotonic() of the last intake refused for room.
     refused_at: float = field(default=float("-inf"))
+    #: Which limit refused it: "size" (max_db_bytes) or "disk" (min_free_disk_bytes).
+    refused_for: str = ""
 
     def begin_batch(self) -> None:
         """A commit batch starts: its intakes are charged anew; measure again if the last one is old."""
@@ -184,7 +189,7 @@ def room_problem(store: StoreBase, cost: int) -> tuple[str, bool] | None:
     """Why ``cost`` more intake bytes do not fit now, and whether purging rows would help."""
     space = store.space
     if space.max_db_bytes and used_bytes(store) + cost > space.max_db_bytes:
-        return "the queue database is at queue.max_db_bytes", True
+        return AT_MAX_DB_BYTES, True
     floor = space.min_free_disk_bytes
     if not floor:
         return None
@@ -226,8 +231,10 @@ def over_limits(store: StoreBase, now: float, cost: int = 0) -> bool:
         return False
     if room_problem(store, cost) is not None:
         make_room(store, now, cost)
-        if room_problem(store, cost) is not None:
+        problem = room_problem(store, cost)
+        if problem is not None:
             space.refused_at = time.monotonic()
+            space.refused_for = "size" if problem[0] == AT_MAX_DB_BYTES else "disk"
             return True
     space.charge(cost)
     return False

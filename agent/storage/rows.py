@@ -107,6 +107,7 @@ class IntakeResult:
     commit_ack: bytes | None = None  # duplicates: the ACK to replay
     app_ack: bytes | None = None  # duplicates: the application ACK, once known
     prior_state: State | None = None  # duplicates: the original row's state
+    refused_for: str = ""  # backpressure: "size" (max_db_bytes) or "disk" (min_free_disk_bytes)
 
 
 @dataclass(frozen=True)

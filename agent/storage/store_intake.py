@@ -113,7 +113,8 @@ class IntakeQueries(StoreBase):
             cost = sum(self._cost(keyed[i].item) for i in new)
             if maintenance.over_limits(self, now, cost):
                 for i in new:
-                    results[i] = IntakeResult(outcome="backpressure", message_id="", ack_mode=keyed[i].item.ack_mode)
+                    results[i] = IntakeResult(outcome="backpressure", message_id="", ack_mode=keyed[i].item.ack_mode,
+                                              refused_for=self.space.refused_for)
                 continue
             for i in new:
                 k = keyed[i]

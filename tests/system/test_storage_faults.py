@@ -128,6 +128,7 @@ def test_a_full_disk_refuses_then_resumes_by_itself(tmp_path: Path) -> None:
                 for n in range(10):  # below the floor: never an accept
                     ack = client.exchange(hl7_message(f"R{n:05d}", pid="X" * 20_000))
                     assert (ack_code(ack), err3(ack)) == ("AR", "207"), ack
+                    assert b"disk space low: message not accepted, resend later" in ack, ack
             assert len(accepted) >= 20, accepted
             assert lowest >= floor - MiB, f"intake took the disk to {lowest} bytes free, floor {floor}"
             dev = DevServerThread(port=up_port).start()
