@@ -14,6 +14,7 @@ and intake resumes without a restart.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -261,6 +262,58 @@ def test_a_burst_past_the_floor_leaves_dispatch_its_reserve(tmp_path: Path) -> N
             wait_for(lambda: set(accepted) <= delivered(dev), 60, what="every accepted message delivered")
             print(f"\nburst: {len(accepted)} accepted, {refused} refused (AR 207), "
                   f"lowest free {lowest / MiB:.2f} MiB, floor {floor / MiB:.0f} MiB")
+            assert daemon.stop() == 0, daemon.log_tail()
+        finally:
+            daemon.kill()
+            if dev is not None:
+                dev.stop()
+
+
+def test_a_disk_filled_to_zero_during_an_outage_then_freed_drains_and_stays_above_the_floor(tmp_path: Path) -> None:
+    """The wedge an audit found: a backlog at the floor, the disk filled to 0 from outside, the
+    server back, the space back, a sender at full speed. The drain's burst of large rows once
+    wrote 8 MiB of WAL before the writer's next checkpoint (its estimate came from quiet
+    commits): the disk was full again, no checkpoint could complete, and nothing moved, even
+    after a restart. Now every accepted message is delivered and the WAL keeps to its limit."""
+    floor = MiB
+    with tmpfs(tmp_path / "fs", 8 * MiB) as fs:
+        port, up_port = free_port(), free_port()
+        daemon = Daemon(tmp_path, config(fs / "data", port, up_port, floor=floor))
+        dev: DevServerThread | None = None
+        wal = fs / "data" / "queue.db-wal"
+        try:
+            daemon.start().wait_started()
+            fill_to(fs, 3 * MiB)  # below the floor with the WAL's reserve: senders get AR
+            accepted: list[str] = []
+            with MllpClient(port) as client:
+                for n in range(50):
+                    ack = client.exchange(hl7_message(f"A{n:05d}", pid="X" * 3000))
+                    assert ack_code(ack) in ("AA", "AR"), ack
+                    if ack_code(ack) == "AA":
+                        accepted.append(f"A{n:05d}")
+            with (fs / "zero").open("wb") as f, contextlib.suppress(OSError):  # the disk to 0, from outside
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            dev = DevServerThread(port=up_port).start()
+            with MllpClient(port) as client:
+                assert ack_code(client.exchange(hl7_message("FULL0", pid="X" * 3000))) == "AR"
+            (fs / "zero").unlink()
+            (fs / "filler").unlink()
+            lowest, longest_wal = free_bytes(fs), 0
+            with MllpClient(port) as client:
+                for n in range(600):
+                    ack = client.exchange(hl7_message(f"B{n:05d}", pid="X" * 3000))
+                    assert ack_code(ack) in ("AA", "AR"), ack
+                    if ack_code(ack) == "AA":
+                        accepted.append(f"B{n:05d}")
+                    lowest, longest_wal = min(lowest, free_bytes(fs)), max(longest_wal, wal.stat().st_size)
+            wait_for(lambda: set(accepted) <= delivered(dev), 60,
+                     what=f"every accepted message delivered ({space_held(fs)})")
+            print(f"\nfull-disk outage: {len(accepted)} accepted, all delivered; lowest free "
+                  f"{lowest / MiB:.2f} MiB, longest WAL {longest_wal / MiB:.2f} MiB")
+            assert lowest >= floor // 2, f"the agent itself took the disk to {lowest} bytes free"
+            assert longest_wal <= 4 * MiB + 512 * 1024, longest_wal
             assert daemon.stop() == 0, daemon.log_tail()
         finally:
             daemon.kill()
