@@ -60,6 +60,10 @@ HANDOVER_SOCKET = "handover.sock"
 HELD_ACK_GRACE = 2.5
 
 
+#: How long a failed intake commit keeps /readyz at 503 when no later one succeeded.
+INTAKE_FAILURE_SHOWN_S = 10.0
+
+
 class Agent:
     """One daemon process."""
 
@@ -223,6 +227,11 @@ class Agent:
             return False, "write probe timed out (locked or slow disk)"
         except Exception as exc:  # noqa: BLE001 - any failure means not writable
             return False, str(exc)
+        failing = self.writer.intake_failing
+        if failing is not None and time.monotonic() - failing[0] < INTAKE_FAILURE_SHOWN_S:
+            # The probe's one small row fits where messages do not (a full disk
+            # reuses WAL space for it): the messages' own commits say more.
+            return False, f"intake commits fail: {failing[1]}"
         return True, "ok"
 
     def _upstream_state(self) -> dict[str, Any]:

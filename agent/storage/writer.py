@@ -177,6 +177,9 @@ class Writer:
         self._expected = 0
         self.batches = 0
         self.last_write = time.monotonic()  # of the last batch that changed a row
+        #: (time.monotonic(), error) while the latest intake answered failed, else None:
+        #: /readyz's write probe is one small row and may still fit where messages do not.
+        self.intake_failing: tuple[float, str] | None = None
         #: When to checkpoint the WAL (None: the database server does its own).
         self._pacer = checkpoints.CheckpointPacer(wal_limit=WAL_SIZE_LIMIT) if store.dialect.file_maintenance else None
         self._wal = store.db_path.with_name(store.db_path.name + "-wal")
@@ -537,6 +540,8 @@ class Writer:
             job.answered = True
             if error is not None:
                 job.ok, job.value = False, error
+            if isinstance(job, _IntakeJob):
+                self.intake_failing = None if job.ok else (time.monotonic(), str(job.value))
             if isinstance(job, _Job) and job.future is not None:
                 future = job.future
                 if future.set_running_or_notify_cancel():

@@ -321,6 +321,39 @@ def test_a_disk_filled_to_zero_during_an_outage_then_freed_drains_and_stays_abov
                 dev.stop()
 
 
+def test_readyz_fails_while_a_full_disk_fails_intake_commits(tmp_path: Path) -> None:
+    """No floor set, the disk full: senders get AR 207 "storage failure", and /readyz says so at
+    once — its own probe, one small row, may still fit in space the WAL reuses. Free space back:
+    AA and ready again."""
+    with tmpfs(tmp_path / "fs", 16 * MiB) as fs:
+        port, up_port, admin = free_port(), free_port(), free_port()
+        daemon = Daemon(tmp_path, config(fs / "data", port, up_port, floor=0, admin_port=admin))
+        try:
+            daemon.start().wait_started()
+            with MllpClient(port) as client:
+                assert ack_code(client.exchange(hl7_message("OK1"))) == "AA"
+            with (fs / "zero").open("wb") as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            with MllpClient(port) as client:
+                for n in range(20):  # until a message no longer fits
+                    ack = client.exchange(hl7_message(f"F{n:03d}", pid="X" * 30_000))
+                    if ack_code(ack) != "AA":
+                        break
+                assert (ack_code(ack), err3(ack)) == ("AR", "207"), ack
+            status, body = http_get(f"http://127.0.0.1:{admin}/readyz")
+            # Whichever fails first names it: the probe's own row, or the messages' commits.
+            assert status == 503 and (b"intake commits fail" in body or b"disk is full" in body), (status, body)
+            (fs / "zero").unlink()
+            with MllpClient(port) as client:
+                assert ack_code(client.exchange(hl7_message("OK2"))) == "AA"
+            assert http_get(f"http://127.0.0.1:{admin}/readyz")[0] == 200
+            assert daemon.stop() == 0, daemon.log_tail()
+        finally:
+            daemon.kill()
+
+
 LOCK_SECONDS = 30.0
 #: The fallback when the sqlite3 shell is not installed: the same lines on stdin.
 _PY_SHELL = """

@@ -230,6 +230,26 @@ def _intake_item(n: int) -> IntakeItem:
                       commit_ack=b"MSH|^~\\&|ACK")
 
 
+class TestIntakeFailing:
+    """/readyz's probe is one small row: the writer also says whether messages' own commits fail."""
+
+    def test_a_failed_intake_is_shown_until_one_succeeds(self, writer: Writer) -> None:
+        async def intake(item: IntakeItem) -> tuple[object, BaseException | None]:
+            loop = asyncio.get_running_loop()
+            done: asyncio.Future[tuple[object, BaseException | None]] = loop.create_future()
+            writer.intake([item], lambda results, error: done.set_result((results, error)), loop)
+            return await done
+
+        broken = _intake_item(1)
+        broken.body = None  # type: ignore[assignment] - the statement fails for real
+        _, error = asyncio.run(intake(broken))
+        assert error is not None
+        failing = writer.intake_failing
+        assert failing is not None and failing[1]
+        _, error = asyncio.run(intake(_intake_item(2)))
+        assert error is None and writer.intake_failing is None
+
+
 class TestWalCheckpoints:
     """On SQLite the writer checkpoints the WAL itself, after answering a batch (agent/storage/checkpoints.py)."""
 
