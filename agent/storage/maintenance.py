@@ -23,6 +23,9 @@ the retention sweep (:func:`purge_retention`, :func:`reclaim`) runs named
 queries and so works on every backend. A store on a database server has no
 limits here (``Space`` all zero: the server keeps its own disk), so intake
 measures nothing, and the service runs only the retention sweep for it.
+
+About 400 lines on purpose: measuring the room, refusing for it and making it
+(purges, free pages, the WAL) are one budget and read best together.
 """
 
 from __future__ import annotations
