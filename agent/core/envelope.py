@@ -186,6 +186,7 @@ def _usable_delimiter(ch: str) -> bool:
 
 def separators_problem(field_sep: str, encoding_chars: str) -> tuple[str, int] | None:
     """Why MSH-1/MSH-2 cannot serve as delimiters (text, error code), or None (for any HL7 text, not only intake's)."""
+    # A sender's pair is checked once (a long MSH-2 is wrong anyway: not cached).
     check = _separators_problem if len(encoding_chars) <= 5 else _separators_problem.__wrapped__
     return check(field_sep, encoding_chars)
 
@@ -223,9 +224,7 @@ def read_msh(data: bytes) -> Envelope:
     field_sep = segment[3]
     fields = segment.split(field_sep)
     encoding_chars = fields[1] if len(fields) > 1 else ""
-    # A sender's pair is checked once (a long MSH-2 is wrong anyway: not cached).
-    check = _separators_problem if len(encoding_chars) <= 5 else _separators_problem.__wrapped__
-    problem = check(field_sep, encoding_chars)
+    problem = separators_problem(field_sep, encoding_chars)
     if problem is not None:
         raise MalformedMsh(problem[0], error_code=problem[1], partial=_scraped(field_sep, fields))
     # MSH-1 is the separator itself, so MSH-n is fields[n - 1]; absent fields are "".
