@@ -409,20 +409,22 @@ def app_ack_from_status(
 
 
 def usable_server_ack(ack_text: str) -> bool:
-    """Whether the server's ``ack`` can stand as the sender's ACK: an MSH first, usable delimiters, an MSA code.
+    """Whether the server's ``ack`` can stand as the sender's ACK: an MSH first, an MSA with a code, no control bytes.
 
-    Anything else (``"MSA|"``, blank segments, a NUL among the delimiters,
-    an MSA before the MSH) would reach the sender as an ACK it cannot read,
-    and be replayed on every retransmit: the agent builds one from the
-    status instead (docs/acks.md#relayed-application-acks).
+    Anything else (``"MSA|"``, blank segments, a NUL, an MSA before the
+    MSH) would reach the sender as an ACK it cannot read, and be replayed on
+    every retransmit: the agent builds one from the status instead
+    (docs/acks.md#relayed-application-acks). Deliberately no stricter: the
+    text is the server's, relayed as it wrote it.
     """
-    segments = [seg for seg in _TEXT_SEGMENT_SPLIT.split(ack_text.strip("\x0b\x1c\r\n ")) if seg]
-    if not segments or not segments[0].startswith("MSH") or len(segments[0]) < 5:
+    text = ack_text.strip("\x0b\x1c\r\n ")
+    if _CONTROL_BYTES.search(text):
         return False
-    head = segments[0]
-    field_sep = head[3]
-    encoding_chars = head[4:].split(field_sep, 1)[0]
-    if not 1 <= len(encoding_chars) <= 5 or separators_problem(field_sep, encoding_chars) is not None:
+    segments = [seg for seg in _TEXT_SEGMENT_SPLIT.split(text) if seg]
+    if not segments or not segments[0].startswith("MSH") or len(segments[0]) < 4:
+        return False
+    field_sep = segments[0][3]
+    if separators_problem(field_sep, "^") is not None:  # MSH-1 itself must be a usable delimiter
         return False
     for segment in segments[1:]:
         if segment.startswith("MSA" + field_sep):
@@ -432,6 +434,7 @@ def usable_server_ack(ack_text: str) -> bool:
 
 
 _TEXT_SEGMENT_SPLIT = re.compile(r"\r\n|\r|\n")
+_CONTROL_BYTES = re.compile(r"[\x00-\x08\x0b-\x0c\x0e-\x1f\x7f]")
 
 
 def relayed_ack(ack_text: str, codec: str) -> bytes:

@@ -268,7 +268,8 @@ class TestApplicationAck:
         assert [n.event for n in action.notes] == ["server_ack_unusable"]
 
     @pytest.mark.parametrize("text", [
-        "MSH|^~\\&|EHR|C\rMSA|AE|M1|no\r", "MSH#^~\\&#E\nMSA#CA#M1\n", "\x0bMSH|^~\\&\r\nMSA|AA\r\n\x1c"])
+        "MSH|^~\\&|EHR|C\rMSA|AE|M1|no\r", "MSH#^~\\&#E\nMSA#CA#M1\n", "\x0bMSH|^~\\&\r\nMSA|AA\r\n\x1c",
+        "MSH|...\rMSA|AA|MSG0001\r"])  # SPEC 5's own example, placeholder and all
     def test_an_ack_with_an_msh_and_an_msa_code_is_relayed_as_sent(self, text: str) -> None:
         head = row(state=State.INFLIGHT, attempts=1, ack_mode="application")
         action = on_response(head, 1, answer(head, 1, 200, ack=text), policy(), NOW)
