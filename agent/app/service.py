@@ -61,7 +61,7 @@ HELD_ACK_GRACE = 2.5
 
 
 #: How long a failed intake commit keeps /readyz at 503 when no later one succeeded.
-INTAKE_FAILURE_SHOWN_S = 10.0
+INTAKE_FAILURE_SHOWN_S = 3.0
 
 
 class Agent:
