@@ -24,7 +24,7 @@ from agent.core.envelope import (
     DEFAULT_ENCODING_CHARS,
     DEFAULT_FIELD_SEP,
     Envelope,
-    separators_problem,
+    usable_delimiter,
 )
 
 __all__ = [
@@ -424,7 +424,7 @@ def usable_server_ack(ack_text: str) -> bool:
     if not segments or not segments[0].startswith("MSH") or len(segments[0]) < 4:
         return False
     field_sep = segments[0][3]
-    if separators_problem(field_sep, "^") is not None:  # MSH-1 itself must be a usable delimiter
+    if not usable_delimiter(field_sep):
         return False
     for segment in segments[1:]:
         if segment.startswith("MSA" + field_sep):

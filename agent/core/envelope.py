@@ -31,8 +31,8 @@ __all__ = [
     "read_msh",
     "read_wide_msh",
     "scrape_control_id",
-    "separators_problem",
     "set_msh_field",
+    "usable_delimiter",
 ]
 
 DEFAULT_FIELD_SEP = "|"
@@ -174,7 +174,7 @@ def _split_msh(data: bytes) -> tuple[str, int]:
     return data[start:end].decode("latin-1"), start
 
 
-def _usable_delimiter(ch: str) -> bool:
+def usable_delimiter(ch: str) -> bool:
     """Printable ASCII punctuation (HL7 2.5 ch. 2.5.4 recommends ``|^~\\&``).
 
     A byte above 0x7E would be written back as two bytes in a UTF-8 ACK (or be
@@ -184,17 +184,10 @@ def _usable_delimiter(ch: str) -> bool:
     return "!" <= ch <= "~" and not ch.isalnum()
 
 
-def separators_problem(field_sep: str, encoding_chars: str) -> tuple[str, int] | None:
-    """Why MSH-1/MSH-2 cannot serve as delimiters (text, error code), or None (for any HL7 text, not only intake's)."""
-    # A sender's pair is checked once (a long MSH-2 is wrong anyway: not cached).
-    check = _separators_problem if len(encoding_chars) <= 5 else _separators_problem.__wrapped__
-    return check(field_sep, encoding_chars)
-
-
 @functools.lru_cache(maxsize=64)
 def _separators_problem(field_sep: str, encoding_chars: str) -> tuple[str, int] | None:
     """Why MSH-1/MSH-2 cannot serve as delimiters (HL7 2.5 ch. 2.5.4): (text, error code), or None."""
-    if not field_sep or not _usable_delimiter(field_sep):
+    if not field_sep or not usable_delimiter(field_sep):
         return f"MSH-1 field separator {field_sep!r} is unusable", 102
     if not encoding_chars:
         return "MSH-2 encoding characters missing", 101
@@ -204,7 +197,7 @@ def _separators_problem(field_sep: str, encoding_chars: str) -> tuple[str, int] 
     # set must still be distinct, non-alphanumeric and not the field separator.
     effective = encoding_chars + DEFAULT_ENCODING_CHARS[len(encoding_chars) :]
     for ch in effective:
-        if not _usable_delimiter(ch) or ch == field_sep:
+        if not usable_delimiter(ch) or ch == field_sep:
             return f"MSH-2 encoding character {ch!r} is unusable", 102
     if len(set(effective)) != len(effective):
         return "MSH-2 encoding characters are not distinct", 102
@@ -224,12 +217,14 @@ def read_msh(data: bytes) -> Envelope:
     field_sep = segment[3]
     fields = segment.split(field_sep)
     encoding_chars = fields[1] if len(fields) > 1 else ""
-    problem = separators_problem(field_sep, encoding_chars)
-    if problem is not None:
-        raise MalformedMsh(problem[0], error_code=problem[1], partial=_scraped(field_sep, fields))
     # MSH-1 is the separator itself, so MSH-n is fields[n - 1]; absent fields are "".
     if len(fields) < 18:
         fields.extend([""] * (18 - len(fields)))
+    # A sender's pair is checked once (a long MSH-2 is wrong anyway: not cached).
+    check = _separators_problem if len(encoding_chars) <= 5 else _separators_problem.__wrapped__
+    problem = check(field_sep, encoding_chars)
+    if problem is not None:
+        raise MalformedMsh(problem[0], error_code=problem[1], partial=_scraped(field_sep, fields))
     effective = encoding_chars + DEFAULT_ENCODING_CHARS[len(encoding_chars) :]
     comp = effective[0]
     message_type = fields[8]
@@ -269,17 +264,15 @@ _UNSAFE_IN_SCRAPED = str.maketrans("", "", DEFAULT_FIELD_SEP + DEFAULT_ENCODING_
 
 
 def _scraped(field_sep: str, fields: list[str]) -> Envelope | None:
-    """An MSH whose encoding characters are unusable, read with its field separator alone.
+    """An MSH whose encoding characters are unusable, read with its field separator alone (``fields``: 18 at least).
 
     Expressed in the default delimiters (the reject is written in them): the
     reject ACK copies MSH-3..6 and MSH-11/12 like any other, and an inbound
     ACK is still recognised by MSH-9 and never answered. MSH-15/16 are left
     empty: a broken MSH is always answered. None when even MSH-1 is unusable.
     """
-    if not _usable_delimiter(field_sep):
+    if not usable_delimiter(field_sep):
         return None
-    if len(fields) < 18:
-        fields = fields + [""] * (18 - len(fields))
     clean = [f.translate(_UNSAFE_IN_SCRAPED) for f in fields]
     comp = DEFAULT_ENCODING_CHARS[0]
     type_parts = clean[8].split(comp, 2)
