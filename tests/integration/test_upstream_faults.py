@@ -146,6 +146,17 @@ def assert_nothing_lost(received: list[Transmit], control_ids: list[str]) -> Non
 MESSAGES = ["F1", "F2", "F3"]
 
 
+async def through_fault(tmp_path: Path, fault: Fault) -> tuple[FaultyServer, list[dict[str, Any]],
+                                                                 dict[str, tuple[str, int]]]:
+    """MESSAGES through a server that answers F2's first attempt with ``fault``; (server, logs, final states)."""
+    async with faulty({("F2", 1): fault}) as (server, url):
+        with capture_logs() as logs:
+            async with agent_running(settings_for(tmp_path, url)) as agent:
+                await send(agent, MESSAGES)
+                final = await all_processed(agent, MESSAGES)
+    return server, logs, final
+
+
 class TestBrokenFrames:
     def test_tcp_cut_in_the_middle_of_the_servers_frame(self, tmp_path: Path) -> None:
         """The server writes half a frame and drops TCP: logged as a 1006 loss, the row is resent on a new session and processed."""
@@ -158,11 +169,7 @@ class TestBrokenFrames:
             ws.transport.abort()
 
         async def scenario() -> None:
-            async with faulty({("F2", 1): half_then_cut}) as (server, url):
-                with capture_logs() as logs:
-                    async with agent_running(settings_for(tmp_path, url)) as agent:
-                        await send(agent, MESSAGES)
-                        final = await all_processed(agent, MESSAGES)
+            server, logs, final = await through_fault(tmp_path, half_then_cut)
             assert final["F2"] == ("processed", 2)
             assert [e["code"] for e in events(logs, "transmit_interrupted")] == [1006]
             assert any(e["code"] == 1006 for e in events(logs, "upstream_disconnected"))
@@ -178,11 +185,7 @@ class TestBrokenFrames:
             await ws.send('{"type": "transmit_response", "id": ')
 
         async def scenario() -> None:
-            async with faulty({("F2", 1): garbage}) as (server, url):
-                with capture_logs() as logs:
-                    async with agent_running(settings_for(tmp_path, url)) as agent:
-                        await send(agent, MESSAGES)
-                        final = await all_processed(agent, MESSAGES)
+            server, logs, final = await through_fault(tmp_path, garbage)
             assert final["F2"] == ("processed", 2)
             assert len(events(logs, "upstream_protocol_error")) == 1
             assert [e["attempt"] for e in events(logs, "transmit_response_timeout")] == [1]
@@ -198,11 +201,7 @@ class TestBrokenFrames:
             await ws.send(json.dumps({"type": "error", "message": "x" * (256 * 1024)}))
 
         async def scenario() -> None:
-            async with faulty({("F2", 1): huge}) as (server, url):
-                with capture_logs() as logs:
-                    async with agent_running(settings_for(tmp_path, url)) as agent:
-                        await send(agent, MESSAGES)
-                        final = await all_processed(agent, MESSAGES)
+            server, logs, final = await through_fault(tmp_path, huge)
             assert final["F2"] == ("processed", 2)  # not rejected: the size was the server's
             assert [e["code"] for e in events(logs, "transmit_interrupted")] == [1009]
             assert server.sessions == 2
@@ -246,11 +245,7 @@ class TestWrongAnswers:
                                       "status": 2**63, "ack": None}))
 
         async def scenario() -> None:
-            async with faulty({("F2", 1): huge_status}) as (server, url):
-                with capture_logs() as logs:
-                    async with agent_running(settings_for(tmp_path, url)) as agent:
-                        await send(agent, MESSAGES)
-                        final = await all_processed(agent, MESSAGES)
+            server, logs, final = await through_fault(tmp_path, huge_status)
             assert final["F2"] == ("processed", 2)
             assert len(events(logs, "upstream_protocol_error")) == 1
             assert_nothing_lost(server.received, MESSAGES)
@@ -265,11 +260,7 @@ class TestWrongAnswers:
             await ws.send(answer(t).to_json())
 
         async def scenario() -> None:
-            async with faulty({("F2", 1): unknown_first}) as (server, url):
-                with capture_logs() as logs:
-                    async with agent_running(settings_for(tmp_path, url)) as agent:
-                        await send(agent, MESSAGES)
-                        final = await all_processed(agent, MESSAGES)
+            server, logs, final = await through_fault(tmp_path, unknown_first)
             assert final["F2"] == ("processed", 1)
             (line,) = events(logs, "upstream_response_unmatched")
             assert line["id"] == "00000000-0000-4000-8000-000000000000"
@@ -306,11 +297,7 @@ class TestWrongAnswers:
             await ws.send(answer(t, attempt=7).to_json())
 
         async def scenario() -> None:
-            async with faulty({("F2", 1): wrong_attempt}) as (server, url):
-                with capture_logs() as logs:
-                    async with agent_running(settings_for(tmp_path, url)) as agent:
-                        await send(agent, MESSAGES)
-                        final = await all_processed(agent, MESSAGES)
+            server, logs, final = await through_fault(tmp_path, wrong_attempt)
             assert final["F2"] == ("processed", 2)
             (stale,) = events(logs, "upstream_response_stale")
             assert (stale["attempt"], stale["waiting_attempt"]) == (7, 1)
