@@ -116,7 +116,7 @@ def tls_problem(settings: Any) -> tuple[str, str] | None:  # noqa: ANN401 - Sett
 
     for index, channel in enumerate(settings.channels):
         build = build_client_ssl if channel.outbound else build_server_ssl
-        key = ("tls_server_ca" if channel.tls_cert is None else "tls_cert") if channel.outbound else "tls_cert"
+        key = "tls_cert" if channel.tls_cert is not None else "tls_server_ca"  # a listener without it has no TLS
         try:
             build(channel)
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
