@@ -15,8 +15,8 @@ is here, in one table (``PHASES``). What it keeps:
 - the application ACKs it waits for: held (original mode) or relayed
   (enhanced mode, at most ``MAX_PENDING_RELAYS``), and what is owed to a
   successor at an upgrade, with the bytes received but not handled;
-- ``frame_timeout`` (the clock runs only while the connection reads) and
-  ``idle_timeout``.
+- ``frame_timeout`` (the clock runs while the sender's bytes are read or
+  wait to be framed, not while its frames wait for us) and ``idle_timeout``.
 
 Which ACK a frame earns is agent.core.intake_policy's: pure functions this
 object calls. An accept ACK is only ever sent from a commit result, so it
@@ -86,6 +86,9 @@ MAX_PIPELINED_FRAMES = 32
 #: Bytes framed per step: one decoder pass stays short (tiny frames are many
 #: events), so one connection's flood cannot hold the event loop for long.
 FEED_CHUNK = 16 * 1024
+#: Frames handled per step at most (16 KiB holds 5,000 empty ones): a flood
+#: of tiny frames yields the event loop to the other senders between steps.
+STEP_EVENTS = 64
 #: After a step whose frames were only counted (over the audit bound), the
 #: next waits this long: handling a junk flood flat out would keep the event
 #: loop, and the GIL, from every other channel and the writer.
@@ -187,10 +190,23 @@ class IntakeConnection:
                 and self._resume_at is None)
 
     @property
+    def _frame_clock_runs(self) -> bool:
+        """Whether frame_timeout's clock runs: while the connection reads, or holds bytes it will frame next.
+
+        Those bytes are the sender's: one that sends faster than we frame
+        (a flood) must not stop the clock. Frames waiting for a free slot or
+        the writer do stop it; that wait is ours, not the sender's.
+        """
+        return self.phase in READING and not self._events and not self._eof
+
+    @property
     def more_to_do(self) -> bool:
-        """Received bytes wait for another step (call ``step()`` on the next loop turn)."""
-        return (self.phase in READING and bool(self._unread) and not self._events
-                and self._resume_at is None)
+        """Received bytes, or frames beyond a step's STEP_EVENTS, wait for another step (``step()`` on the next loop turn)."""
+        if self.phase not in READING or self._resume_at is not None:
+            return False
+        if self._events:  # handled up to STEP_EVENTS, room for more
+            return len(self._slots) < MAX_PIPELINED_FRAMES and self._audits_pending < MAX_PENDING_AUDITS
+        return bool(self._unread)
 
     @property
     def mid_frame(self) -> bool:
@@ -465,21 +481,24 @@ class IntakeConnection:
 
     def _process(self, *, feed: bool) -> None:
         """Handle framed events while the bounds allow; with ``feed``, frame one more slice first if none wait."""
-        while self.phase in READING:
+        budget = STEP_EVENTS
+        while self.phase in READING and self._resume_at is None:
             if self._events:
                 if len(self._slots) >= MAX_PIPELINED_FRAMES or self._audits_pending >= MAX_PENDING_AUDITS:
                     return
+                if not budget:
+                    self._pause_if_flooded()
+                    return
+                budget -= 1
                 self._handle(self._events.popleft())
                 continue
             if not self._unread:
                 if self._eof:
                     self._end_of_input()
                 return
-            if not feed or self._resume_at is not None:
+            if not feed:
                 return
-            if self._junk_counted:  # a flood of junk: slow this sender down, not the others
-                self._junk_counted = False
-                self._resume_at = self.clock.monotonic() + JUNK_READ_PAUSE
+            if self._pause_if_flooded():
                 return
             feed = False
             if len(self._unread) <= FEED_CHUNK:  # the common case: all of it, one copy
@@ -492,6 +511,14 @@ class IntakeConnection:
             events = self._decoder.feed(chunk)
             self._time_frame(was_mid_frame, events)
             self._events.extend(events)
+
+    def _pause_if_flooded(self) -> bool:
+        """After a step whose frames were only counted (a flood of bad frames): slow this sender down, not the others."""
+        if not self._junk_counted:
+            return False
+        self._junk_counted = False
+        self._resume_at = self.clock.monotonic() + JUNK_READ_PAUSE
+        return True
 
     def _time_frame(self, was_mid_frame: bool, events: list[mllp.Event]) -> None:
         """Start frame_timeout's clock when a frame begins; stop it between frames.
@@ -861,8 +888,9 @@ class IntakeConnection:
             self._drain()
         if self._frame_left is not None:
             now = self.clock.monotonic()
-            if self.reading and self._frame_since is None:
+            runs = self._frame_clock_runs
+            if runs and self._frame_since is None:
                 self._frame_since = now
-            elif not self.reading and self._frame_since is not None:
+            elif not runs and self._frame_since is not None:
                 self._frame_left -= now - self._frame_since
                 self._frame_since = None

@@ -204,12 +204,15 @@ class MllpDecoder:
                 next_vt = data.find(START_BLOCK, pos)
             if 0 <= next_vt < stop:
                 # A new start block before the end: the sender restarted the
-                # frame; the partial one (and its VT) is junk.
-                self._append(data[pos:next_vt])
-                self._junk += 1 + self._size
+                # frame; the partial one (and its VT) is junk. So is every
+                # frame restarted again before the end: only the last start
+                # block counts, found in one search, so a flood of start
+                # blocks costs C's speed, not a Python turn (and an event) each.
+                last_vt = data.rfind(START_BLOCK, next_vt, stop)
+                self._junk += 1 + self._size + (last_vt - pos)
                 self._flush_junk(events)
                 self._start_frame()
-                pos = next_vt + 1
+                pos = last_vt + 1
                 continue
             if next_end >= 0:
                 self._append(data[pos:next_end])

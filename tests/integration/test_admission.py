@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -302,6 +303,47 @@ class TestTimeouts:
             run_agent(tmp_path, scenario, frame_timeout=1)
         timed_out = log_events(logs, "connection_frame_timeout")
         assert len(timed_out) == 1 and timed_out[0]["frame_timeout"] == 1.0
+
+    def test_a_flood_of_start_blocks_is_closed_after_frame_timeout(self, tmp_path: Path) -> None:
+        """Start blocks as fast as TCP takes them: every one restarts a frame that never ends, so frame_timeout closes it.
+
+        Framed a Python turn per start block, such a flood outran the framer:
+        its bytes always waited, the frame clock stood still, and the
+        connection was never closed while other senders' ACKs slowed down.
+        """
+        stop = threading.Event()
+
+        def flood(port: int) -> float | None:
+            """Seconds until the agent cut the connection; None if it never did."""
+            started = time.monotonic()
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                while time.monotonic() - started < 20 and not stop.is_set():
+                    try:
+                        sock.sendall(mllp.START_BLOCK * 65536)
+                    except TimeoutError:
+                        return None
+                    except OSError:
+                        return time.monotonic() - started
+            return None
+
+        async def scenario(agent: Agent, port: int) -> None:
+            flooding = asyncio.ensure_future(asyncio.to_thread(flood, port))
+            try:
+                good = await Sender.open(port)
+                try:
+                    for n in range(5):
+                        assert ack_code(await good.exchange(hl7_message(f"GOOD-{n}"))) == "AA"
+                finally:
+                    good.close()
+                closed_after = await flooding
+            finally:
+                stop.set()
+            assert closed_after is not None, "the flood of start blocks was never closed"
+            assert closed_after < 10, closed_after
+
+        with capture_logs() as logs:
+            run_agent(tmp_path, scenario, frame_timeout=1)
+        assert [e["frame_timeout"] for e in log_events(logs, "connection_frame_timeout")] == [1.0]
 
     def test_a_sender_that_never_reads_its_acks_is_cut_off_and_frees_its_place(self, tmp_path: Path) -> None:
         """Pipelined retransmits, no reads: the buffers fill, the agent stops reading and, frame_timeout later, cuts it off.

@@ -18,10 +18,13 @@ from agent.core import mllp
 from agent.core.intake import (
     AUDIT_ROWS_PER_WINDOW,
     AUDIT_WINDOW,
+    FEED_CHUNK,
+    JUNK_READ_PAUSE,
     MAX_PENDING_AUDITS,
     MAX_PENDING_RELAYS,
     MAX_PIPELINED_FRAMES,
     REPLAY_LOGS_PER_WINDOW,
+    STEP_EVENTS,
     IntakeConnection,
 )
 from agent.core.intake_actions import (
@@ -334,6 +337,30 @@ class TestOrderAndBounds:
         peer.pump()
         assert len(peer.commits) == 1
 
+    def test_a_flood_of_counted_frames_is_handled_a_step_at_a_time_then_paused(self) -> None:
+        """16 KiB holds thousands of tiny frames: a step handles STEP_EVENTS of them, then the sender waits.
+
+        Handled all at once, a flood of empty frames kept the event loop (and
+        the GIL, from the writer) so busy that other senders' ACKs took 45 ms.
+        """
+        peer = Peer.open()
+        for n in range(AUDIT_ROWS_PER_WINDOW):
+            peer.send(framed(b"JUNK%d" % n))
+            peer.audits_done()
+        assert peer.conn.reading
+
+        def counted() -> int:
+            return sum(a.counter is Counter.AUDIT_ROW_NOT_STORED for a in peer.of(Count))
+
+        peer.send(framed(*(b"X%d" % n for n in range(3 * STEP_EVENTS))))
+        assert counted() == STEP_EVENTS
+        assert not peer.conn.reading and not peer.conn.more_to_do
+        assert peer.conn.next_deadline() == pytest.approx(peer.clock.now + JUNK_READ_PAUSE)
+        peer.clock.now += JUNK_READ_PAUSE
+        peer.conn.tick()
+        peer.pump()
+        assert counted() == 2 * STEP_EVENTS
+
     def test_pending_audit_rows_are_bounded(self) -> None:
         peer = Peer.open()
         peer.send(framed(*(b"JUNK%d" % n for n in range(MAX_PENDING_AUDITS + 5))))
@@ -436,6 +463,17 @@ class TestTimeouts:
         peer.conn.tick()
         peer.pump()
         assert peer.conn.phase is Phase.OPEN
+
+    def test_the_frame_clock_runs_while_received_bytes_wait_to_be_framed(self) -> None:
+        """Bytes received but not framed yet are the sender's: a sender faster than we frame must still time out."""
+        peer = Peer.open(ChannelPolicy("adt", frame_timeout=5.0))
+        peer.send(b"\x0bMSH|" + b"X" * (3 * FEED_CHUNK))
+        assert peer.conn.mid_frame and peer.conn.more_to_do and not peer.conn.reading
+        assert peer.conn.next_deadline() == pytest.approx(peer.clock.now + 5.0)
+        peer.clock.now += 5
+        peer.conn.tick()
+        peer.pump()
+        assert [e.fields["frame_timeout"] for e in peer.logs("connection_frame_timeout")] == [5.0]
 
     def test_idle_timeout_counts_from_the_last_frame_or_ack(self) -> None:
         peer = Peer.open(ChannelPolicy("adt", idle_timeout=10.0))

@@ -187,6 +187,20 @@ class TestJunk:
         assert frames(events) == [MSG1]
         assert junk(events) == 4
 
+    @pytest.mark.parametrize("unit", [b"\x0b", b"\x0bA", b"\x0bMSH|^~\\&|\x1c"])
+    def test_a_flood_of_restarts_is_one_event_per_read(self, unit: bytes) -> None:
+        """Frames restarted again and again before any end: one junk event per read, not one per start block.
+
+        A Python turn per start block framed a flood of them at 0.4 MB/s, which
+        starved every other sender; whatever their number, the count is exact.
+        """
+        flood = unit * 20_000
+        decoder = MllpDecoder(1 << 20)
+        events = feed_all(decoder, [flood[:70_001], flood[70_001:], encode_frame(MSG1)])
+        assert frames(events) == [MSG1]
+        assert junk(events) == len(flood)
+        assert len(events) <= 4, len(events)
+
     def test_double_vt(self) -> None:
         """VT VT payload FS CR yields the payload, one junk byte."""
         events = MllpDecoder(100).feed(b"\x0b\x0babc\x1c\r")
