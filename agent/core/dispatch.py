@@ -392,6 +392,10 @@ def decide_head(
     if head.state == State.INFLIGHT and not session.replay:
         # An inflight row we cannot prove unsent and the server cannot dedupe.
         return ambiguous(head, head.attempts, "server does not replay", policy)
+    if policy.paused:
+        # Dispatch holds: no new attempt of a head already claimed or in flight
+        # (one whose answer timed out or whose connection was lost) until resumed.
+        return Wait(now + RECHECK_SECONDS)
     try:
         transmit = build_transmit(head, policy, head.attempts + 1)
     except (HL7Error, ValueError, LookupError) as exc:
@@ -460,8 +464,9 @@ def on_loss(
     A frame provably never written goes back to the head at once. Otherwise
     a replaying server gets the same id again: the row stays ``inflight``
     and is resent when the worker finds it at the head (on this session
-    after a timeout, on the next one after a lost connection). Without
-    replay the row is ambiguous.
+    after a timeout, on the next one after a lost connection), unless that
+    was its ``max_attempts``-th send: then it is ``failed``. Without replay
+    the row is ambiguous.
     """
     if loss is Loss.NOT_WRITTEN:
         return Requeue(row.id, attempt, 0.0, error_code="not_sent", error_text=loss.value,
@@ -470,6 +475,12 @@ def on_loss(
         return Requeue(row.id, attempt, 0.0, error_code="not_sent", error_text=loss.value,
                        note=Note.of("info", "transmit_not_sent_lease_unproven", attempt=attempt))
     if replay:
+        if attempts_exhausted(attempt - row.redrive_base, policy.max_attempts):
+            # Unanswered as often as max_attempts allows (a message the server
+            # never answers, or drops its connection on): set aside, not resent
+            # for ever. The server may have it; a re-drive sends the same id.
+            return _give_up(row, attempt, State.FAILED, "no_answer",
+                            f"max_attempts {policy.max_attempts} reached; last attempt: {loss.value}", policy)
         return KeepInflight()
     return ambiguous(row, attempt, f"{loss.value}; server does not replay", policy)
 

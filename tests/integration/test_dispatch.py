@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import pytest
 from agenttest import run_async as run
 from agenttest import until
+from structlog.testing import capture_logs
 
 from agent.app.config import Settings
 from agent.app.devserver import Answer, DevServer, default_answer
@@ -26,7 +27,7 @@ from agent.app.service import Agent
 from agent.core import mllp
 from agent.core.protocol import Transmit
 from agent.storage.store import SqliteStore
-from tests.agenttest import ack_code, db_rows, free_port, hl7_message, msa2
+from tests.agenttest import ack_code, db_rows, free_port, hl7_message, log_events, msa2
 
 T = TypeVar("T")
 TOKEN = "test-token"
@@ -352,6 +353,63 @@ class TestOutagesAndRetries:
                     assert (row["state"], row["attempts"]) == ("processed", 2)
                     t1 = [t for t in server.received if t.control_id == "T1"]
                     assert [t.attempt for t in t1] == [1, 2] and len({t.id for t in t1}) == 1
+
+        run(scenario())
+
+    def test_a_paused_channel_starts_no_new_attempt_of_its_unanswered_head(self, tmp_path: Path) -> None:
+        """channel pause holds dispatch: an inflight head whose answer times out is not resent until resumed."""
+        answering = False
+        attempts: list[int] = []
+
+        async def decide(t: Transmit) -> Answer | None:
+            if t.control_id == "N1":
+                attempts.append(t.attempt)
+            return default_answer(t) if answering or t.control_id != "N1" else None
+
+        async def scenario() -> None:
+            nonlocal answering
+            async with dev_server(decide) as server:
+                s = settings_for(tmp_path, url(server), [{"name": "adt"}], server={"response_timeout": 0.3})
+                async with agent_running(s) as agent:
+                    assert agent.writer is not None
+                    await send_all(port_of(agent, "adt"), [hl7_message("N1"), hl7_message("N2")])
+                    await until(lambda: len(attempts) >= 2, 10, "N1 resent after a timeout")
+                    await agent.writer.call(SqliteStore.pause_channel, "adt", "test: hold")
+                    # The attempt under way when the pause came still times out;
+                    # then nothing more may go out. Absence needs a window: ten
+                    # response timeouts, where the bug resent ten times.
+                    await until(lambda: max(e["attempt"] for e in log_events(logs, "transmit_response_timeout"))
+                                >= max(attempts), 10, "every attempt sent so far timed out")
+                    held = len(attempts)
+                    await asyncio.sleep(3.0)
+                    assert len(attempts) == held, attempts
+                    assert (row_of(agent, "N1")["state"], state_of(agent, "N2")) == ("inflight", "queued")
+                    answering = True
+                    await agent.writer.call(SqliteStore.resume_channel, "adt")
+                    agent.dispatcher.wake("adt")
+                    await until(lambda: state_of(agent, "N2") == "processed", 10, "N2 processed after resume")
+                    n1 = row_of(agent, "N1")
+                    assert (n1["state"], n1["attempts"]) == ("processed", held + 1)
+                    assert len({t.id for t in server.received if t.control_id == "N1"}) == 1
+
+        with capture_logs() as logs:
+            run(scenario())
+
+    def test_max_attempts_ends_a_head_the_server_never_answers_failed(self, tmp_path: Path) -> None:
+        """Unanswered sends count against max_attempts: the head is set aside, not resent for ever; the channel goes on."""
+        script = ScriptedServer({"M1": [None] * 10})
+
+        async def scenario() -> None:
+            async with dev_server(script) as server:
+                s = settings_for(tmp_path, url(server), [{"name": "adt", "max_attempts": 3}],
+                                 server={"response_timeout": 0.3})
+                async with agent_running(s) as agent:
+                    await send_all(port_of(agent, "adt"), [hl7_message("M1"), hl7_message("M2")])
+                    await until(lambda: state_of(agent, "M2") == "processed", 15, "M2 processed")
+                    row = row_of(agent, "M1")
+                    assert (row["state"], row["attempts"], row["error_code"]) == ("failed", 3, "no_answer")
+                    m1 = [t for t in server.received if t.control_id == "M1"]
+                    assert [t.attempt for t in m1] == [1, 2, 3] and len({t.id for t in m1}) == 1
 
         run(scenario())
 

@@ -118,10 +118,16 @@ class TestDecideHead:
         assert decide_head(head, pol, session, NOW) == expected
 
     @pytest.mark.parametrize("state", [State.CLAIMED, State.INFLIGHT])
-    def test_a_paused_channel_still_sends_the_head_it_already_took(self, state: State) -> None:
-        """The pause flag holds queued rows only: a claimed or inflight head goes (it was taken before the pause)."""
-        decision = decide_head(row(state=state, attempts=1), policy(paused=True), UP, NOW)
-        assert isinstance(decision, Send)
+    def test_a_paused_channel_starts_no_new_attempt_of_the_head_it_already_took(self, state: State) -> None:
+        """Dispatch holds: a claimed head, or an inflight one whose answer timed out, waits for resume (not resent)."""
+        head = row(state=state, attempts=1)
+        assert decide_head(head, policy(paused=True), UP, NOW) == Wait(NOW + RECHECK_SECONDS)
+        assert isinstance(decide_head(head, policy(), UP, NOW), Send)
+
+    def test_a_paused_channel_still_settles_an_ambiguous_head(self) -> None:
+        """Without replay an inflight head is no send but bookkeeping: failed (or requeued) even while paused."""
+        decision = decide_head(row(state=State.INFLIGHT, attempts=1), policy(paused=True), UP_NO_REPLAY, NOW)
+        assert isinstance(decision, GiveUp) and decision.error_code == "ambiguous"
 
     @pytest.mark.parametrize(("state", "attempts"), [(State.CLAIMED, 0), (State.INFLIGHT, 1), (State.CLAIMED, 4)])
     def test_send_is_the_next_attempt_of_the_same_id(self, state: State, attempts: int) -> None:
@@ -329,6 +335,19 @@ class TestOnLoss:
         assert on_loss(head, 1, loss, policy(), replay=True) == KeepInflight()
         resend = decide_head(head, policy(), UP, NOW)
         assert isinstance(resend, Send) and (resend.from_state, resend.transmit.attempt) == (State.INFLIGHT, 2)
+
+    @pytest.mark.parametrize("loss", [Loss.RESPONSE_TIMEOUT, Loss.CONNECTION_LOST])
+    def test_an_unanswered_max_attempts_th_send_fails_the_row(self, loss: Loss) -> None:
+        """Unanswered sends count against max_attempts (since the last re-drive): then failed, not resent for ever."""
+        head = row(state=State.INFLIGHT, attempts=3)
+        assert on_loss(head, 2, loss, policy(max_attempts=3), replay=True) == KeepInflight()
+        assert on_loss(head, 3, loss, policy(), replay=True) == KeepInflight()  # 0: no limit
+        failed = on_loss(head, 3, loss, policy(max_attempts=3), replay=True)
+        assert isinstance(failed, GiveUp)
+        assert (failed.state, failed.error_code, failed.error_text) == (
+            State.FAILED, "no_answer", f"max_attempts 3 reached; last attempt: {loss.value}")
+        assert event_of(failed.note) == "message_failed"
+        assert on_loss(head, 3, loss, policy(max_attempts=3, on_reject="pause"), replay=True).pause is not None
 
     @pytest.mark.parametrize(("loss", "why"), [(Loss.RESPONSE_TIMEOUT, "response timeout"),
                                                (Loss.CONNECTION_LOST, "connection lost")])

@@ -239,7 +239,7 @@ def _refusal(o: SetAsideOutcome) -> str:
         return (f"{o.id}: not set aside: it is {o.state} ({doing}); only queued rows can be set "
                 f"aside. Wait for the answer and try again (between attempts a retried head is "
                 f"queued), or `hl7-agent channel pause {o.channel}` first: a paused channel "
-                "keeps its head queued")
+                "keeps a queued head queued")
     if o.state == State.FAILED:
         return f"{o.id}: not set aside: it is failed already"
     if o.state == State.NACKED:
