@@ -110,7 +110,7 @@ class IntakeQueries(StoreBase):
             new = [i for i, r in enumerate(results) if r is None]
             if not new:
                 continue
-            cost = sum(self._cost(keyed[i].item) for i in new)
+            cost = maintenance.group_cost(self, [self._cost_bytes(keyed[i].item) for i in new])
             if maintenance.over_limits(self, now, cost):
                 for i in new:
                     results[i] = IntakeResult(outcome="backpressure", message_id="", ack_mode=keyed[i].item.ack_mode,
@@ -144,9 +144,6 @@ class IntakeQueries(StoreBase):
     @staticmethod
     def _cost_bytes(item: IntakeItem) -> int:
         return len(item.body) + len(item.commit_ack or b"")
-
-    def _cost(self, item: IntakeItem) -> int:
-        return maintenance.intake_cost(self, self._cost_bytes(item))
 
     def _live_keys(self, keyed_groups: list[list[_Keyed]], now: float) -> dict[DedupeKey, ResultRow]:
         """The table's live dedupe keys among the run's, by key (one search of the key each)."""

@@ -303,6 +303,37 @@ class TestBackpressure:
         finally:
             store.conn.close()
 
+    def test_a_batch_is_charged_as_one_commit_not_member_by_member(self, tmp_path: Path, clock: Clock) -> None:
+        """200 small members in one commit fit a 1 MiB cap on an empty file (charged 12 pages each: 9.6 MB, refused for ever)."""
+        store = open_store(tmp_path / "data" / "queue.db", clock, max_db_bytes=1024 * 1024)
+        try:
+            with store.transaction() as s:
+                results = s.intake_batch([item(f"B{n}") for n in range(200)])
+            assert {r.outcome for r in results} == {"accepted"}
+            assert maintenance.used_bytes(store) <= 1024 * 1024
+        finally:
+            store.conn.close()
+
+    @pytest.mark.parametrize(("members", "pad"), [(1, 50), (50, 50), (50, 2100), (20, 10_000)])
+    def test_a_groups_charge_covers_what_its_commit_writes(self, tmp_path: Path, clock: Clock,
+                                                            members: int, pad: int) -> None:
+        """group_cost is an over-estimate: at least the file's growth plus the WAL the commit wrote."""
+        store = open_store(tmp_path / "data" / "queue.db", clock, min_free_disk_bytes=1)
+        try:
+            for n in range(100):  # a file with some rows already, as in service
+                intake(store, item(f"W{n}", body=message(f"W{n}", pad=pad)))
+            store.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            pages = store.conn.execute("PRAGMA page_count").fetchone()[0]
+            batch = [item(f"G{n}", body=message(f"G{n}", pad=pad)) for n in range(members)]
+            charged = maintenance.group_cost(store, [len(i.body) + len(i.commit_ack or b"") for i in batch])
+            with store.transaction() as s:
+                assert {r.outcome for r in s.intake_batch(batch)} == {"accepted"}
+            wal = (tmp_path / "data" / "queue.db-wal").stat().st_size
+            grown = (store.conn.execute("PRAGMA page_count").fetchone()[0] - pages) * maintenance.page_size(store)
+            assert grown + wal <= charged, (grown, wal, charged)
+        finally:
+            store.conn.close()
+
     def test_duplicates_are_answered_under_backpressure(self, tmp_path: Path, clock: Clock) -> None:
         """A retransmit of a stored message still gets its replay when the queue is full."""
         store = open_store(tmp_path / "data" / "queue.db", clock, max_db_bytes=192 * 1024)
