@@ -20,9 +20,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import fcntl
 import ipaddress
 import logging
 import socket
+import struct
+import termios
 import time
 from collections.abc import Callable
 from itertools import count
@@ -218,6 +221,16 @@ def keep_alive(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
+def unread_bytes(sock: Any) -> int:  # noqa: ANN401 - a socket or asyncio's TransportSocket
+    """Bytes the kernel holds for ``sock`` that nobody has read yet (FIONREAD, tcp(7)); 0 if unknown."""
+    if sock is None:
+        return 0
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0])
+    except (OSError, ValueError):
+        return 0
+
+
 class Connection(asyncio.Protocol):
     """One sender's connection: pumps bytes into the intake core and applies its actions."""
 
@@ -336,7 +349,12 @@ class Connection(asyncio.Protocol):
         transport = self._transport
         if transport is None or transport.get_write_buffer_size():
             return None  # an ACK the sender has not read yet
-        return self.core.idle_since()
+        since = self.core.idle_since()
+        if since is not None and unread_bytes(transport.get_extra_info("socket")):
+            # Its next frame has arrived and waits for the loop to read it:
+            # closing now would cut a sender off with a frame in flight.
+            return None
+        return since
 
     # -- applying the core's actions -------------------------------------------
 

@@ -23,6 +23,7 @@ from agent.app.config import AdminSettings, AgentSettings, ChannelSettings, Queu
 from agent.app.service import Agent
 from agent.core import mllp
 from agent.core.intake import AUDIT_ROWS_PER_WINDOW, MAX_PENDING_RELAYS
+from agent.runtime.mllp_connection import unread_bytes
 
 
 def run_agent(tmp_path: Path, scenario: Callable[[Agent, int], Awaitable[None]], **channel: Any) -> None:
@@ -155,6 +156,38 @@ class TestEviction:
                     conn.close()
 
         run_agent(tmp_path, scenario, max_connections=3)
+
+    def test_a_connection_whose_next_frame_has_arrived_is_not_idle(self, tmp_path: Path) -> None:
+        """A frame in the kernel's buffer that the loop has not read yet makes its connection busy, not evictable.
+
+        Under a connect flood a sender's frame often waits there while the
+        loop admits newcomers; evicting it then cut the sender off with the
+        frame in flight. The wait is made certain here by pausing the
+        agent's reading of that connection (the loop "has not got to it").
+        """
+
+        async def scenario(agent: Agent, port: int) -> None:
+            sender = await Sender.open(port)
+            await until(lambda: listener_connections(agent) == 1, what="the connection open")
+            (conn,) = agent.listeners[0].connections
+            assert conn._transport is not None
+            conn._transport.pause_reading()
+            await sender.send(hl7_message("IN-THE-BUFFER"))
+            await until(lambda: unread_bytes(conn._transport.get_extra_info("socket")) > 0,
+                        what="the frame in the kernel's buffer")
+            newcomer = await Sender.open(port, "127.0.0.2")
+            try:
+                assert await newcomer.closed_by_agent(), "the newcomer was admitted"
+                conn._transport.resume_reading()
+                assert ack_code(await sender.read_ack()) == "AA"
+            finally:
+                sender.close()
+                newcomer.close()
+
+        with capture_logs() as logs:
+            run_agent(tmp_path, scenario, max_connections=1)
+        assert log_events(logs, "connection_evicted") == []
+        assert len(log_events(logs, "connection_refused_limit")) == 1
 
     def test_bytes_outside_frames_do_not_count_as_activity(self, tmp_path: Path) -> None:
         """A connection trickling junk outside any frame is as idle as a silent one: it is the one evicted."""
