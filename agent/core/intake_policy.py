@@ -87,6 +87,9 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float, *, a
             return refuse(envelope.read_wide_msh(payload, wide), payload, Outcome.MALFORMED, 102,
                           f"{wide.upper()} is not allowed for HL7 over MLLP; send an 8-bit encoding",
                           received_at)
+        later = _later_msh(payload)
+        if later is not None:
+            return _msh_not_first(payload, later, policy, received_at, ack_always=ack_always)
         # No MSH: nothing to address an ACK to; the frame is kept as an audit row.
         dropped = Log("warning", "frame_without_msh_dropped", {"size": len(payload)})
         return Decision((Audit(AuditRecord(payload, "100", "no MSH segment", received_at=received_at),
@@ -120,6 +123,38 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float, *, a
     if ack_always or (ack_mode != "application" and acks.commit_ack_wanted(env, success=True)):
         commit_ack = acks.build_ack(env, acks.ack_code(Outcome.COMMITTED, enhanced), codec=codec)
     return Decision((received,), commit=NewMessage(env, payload, codec, text, ack_mode, commit_ack, received_at))
+
+
+def _later_msh(payload: bytes) -> int | None:
+    """Where an MSH segment starts in a frame that does not start with one (after a segment end), if anywhere."""
+    for end in (b"\rMSH", b"\nMSH"):
+        at = payload.find(end)
+        if at >= 0:
+            return at + 1
+    return None
+
+
+def _msh_not_first(payload: bytes, at: int, policy: ChannelPolicy, received_at: float, *,
+                   ack_always: bool) -> Decision:
+    """Another segment before the MSH (a broken batch header, say): AE/CE 100, as the MSH there addresses it.
+
+    Any frame whose MSH can be read gets an ACK; HL7 table 0357's 100 is
+    "segment sequence error". An inbound ACK is still never answered.
+    """
+    try:
+        env: Envelope | None = envelope.read_msh(payload[at:])
+    except MalformedMsh as exc:
+        env = exc.partial
+    except NoMshSegment:
+        env = None
+    if env is not None and env.is_ack:
+        record = AuditRecord(payload, "0", "inbound ACK recorded", env, received_at=received_at)
+        return Decision((RECEIVED, Log("info", "inbound_ack_recorded", {"control_id": env.control_id}),
+                         Audit(record, limited=False)))
+    # The text names no byte before the MSH: those may be anything, patient data too.
+    return refuse(env, payload, Outcome.MALFORMED, 100,
+                  "segment sequence error: the message must start with its MSH segment",
+                  received_at, codec=codec_or_default(env, policy), ack_always=ack_always)
 
 
 def decide_oversize(prefix: bytes, size: int, policy: ChannelPolicy, received_at: float) -> Decision:

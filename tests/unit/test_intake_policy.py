@@ -157,6 +157,12 @@ TABLE = [
         lambda e: decide_frame(b"MSH|A~\\&|EHR|CENTRAL|LAB|NORTH|20260101||ACK|A-2|P|2.5"
                                + (b"|||AL|AL" if e else b"") + b"\rMSA|AA|X-2\r", POLICY, 0.0),
         None, None, "", "", "0"),
+    Row("another segment before the MSH", lambda e: decide_frame(b"BHS\r" + message(enhanced=e), POLICY, 0.0),
+        "AE", "CE", "100", "segment sequence error: the message must start with its MSH segment", "100"),
+    Row("an inbound ACK after another segment",
+        lambda e: decide_frame(b"bhs|^~\\&|\rMSH|^~\\&|EHR|CENTRAL|LAB|NORTH|20260101||ACK|A-3|P|2.5"
+                               + (b"|||AL|AL" if e else b"") + b"\rMSA|AA|X-3\r", POLICY, 0.0),
+        None, None, "", "", "0"),
     Row("a frame with no MSH segment", lambda e: decide_frame(b"PID|1||4711^^^MRN||DOE^JANE\r", POLICY, 0.0),
         None, None, "", "", "100"),
 ]
@@ -187,6 +193,16 @@ class TestWhichAckForWhichSituation:
             (audit,) = audits
             assert audit.record.error_code == row.audit
             assert audit.record.ack_sent == (answers[0] if answers else None)
+
+    @pytest.mark.parametrize("before", [b"BHS\r", b"bhs|^~\\&|\r", b"ZZZ|1\n", b"\xef\xbb\xbfXYZ\r\n"])
+    def test_an_msh_after_another_segment_addresses_its_reject(self, before: bytes) -> None:
+        """The MSH further in is read for the ACK: MSA-2 is its MSH-10, sender and receiver swapped; nothing before it shows."""
+        (ack,) = acks_of(decide_frame(before + message("LATE-1") + b"BTS|1\r", POLICY, 0.0))
+        assert (ack_code(ack), msa2(ack), err3(ack)) == ("AE", "LATE-1", "100")
+        inbound = message("LATE-1").split(b"\r")[0].split(b"|")
+        answer = ack.split(b"\r")[0].split(b"|")
+        assert (answer[2:4], answer[4:6]) == (inbound[4:6], inbound[2:4])  # MSH-3/4 and MSH-5/6 swapped
+        assert b"ZZZ" not in ack and b"XYZ" not in ack
 
     def test_an_accept_comes_only_from_a_commit_result(self) -> None:
         """Before the store answered there is nothing to send: the accept ACK waits for the COMMIT."""
