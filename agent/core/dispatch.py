@@ -392,6 +392,12 @@ def decide_head(
     if head.state == State.INFLIGHT and not session.replay:
         # An inflight row we cannot prove unsent and the server cannot dedupe.
         return ambiguous(head, head.attempts, "server does not replay", policy)
+    if head.state == State.INFLIGHT and attempts_exhausted(head.attempts - head.redrive_base, policy.max_attempts):
+        # Its max_attempts-th send was left unanswered by a restart or a
+        # takeover: what on_loss decides for one left unanswered in service.
+        return _give_up(head, head.attempts, State.FAILED, "no_answer",
+                        f"max_attempts {policy.max_attempts} reached; last attempt: no answer before a restart",
+                        policy)
     if policy.paused:
         # Dispatch holds: no new attempt of a head already claimed or in flight
         # (one whose answer timed out or whose connection was lost) until resumed.

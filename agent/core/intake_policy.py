@@ -87,9 +87,9 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float, *, a
             return refuse(envelope.read_wide_msh(payload, wide), payload, Outcome.MALFORMED, 102,
                           f"{wide.upper()} is not allowed for HL7 over MLLP; send an 8-bit encoding",
                           received_at)
-        later = _later_msh(payload)
+        later = _msh_not_first(payload, policy, received_at, ack_always=ack_always)
         if later is not None:
-            return _msh_not_first(payload, later, policy, received_at, ack_always=ack_always)
+            return later
         # No MSH: nothing to address an ACK to; the frame is kept as an audit row.
         dropped = Log("warning", "frame_without_msh_dropped", {"size": len(payload)})
         return Decision((Audit(AuditRecord(payload, "100", "no MSH segment", received_at=received_at),
@@ -125,28 +125,23 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float, *, a
     return Decision((received,), commit=NewMessage(env, payload, codec, text, ack_mode, commit_ack, received_at))
 
 
-def _later_msh(payload: bytes) -> int | None:
-    """Where an MSH segment starts in a frame that does not start with one (after a segment end), if anywhere."""
-    for end in (b"\rMSH", b"\nMSH"):
-        at = payload.find(end)
-        if at >= 0:
-            return at + 1
-    return None
-
-
-def _msh_not_first(payload: bytes, at: int, policy: ChannelPolicy, received_at: float, *,
-                   ack_always: bool) -> Decision:
+def _msh_not_first(payload: bytes, policy: ChannelPolicy, received_at: float, *,
+                   ack_always: bool) -> Decision | None:
     """Another segment before the MSH (a broken batch header, say): AE/CE 100, as the MSH there addresses it.
 
     Any frame whose MSH can be read gets an ACK; HL7 table 0357's 100 is
-    "segment sequence error". An inbound ACK is still never answered.
+    "segment sequence error". An inbound ACK is still never answered. None:
+    no MSH segment anywhere (the first one after a segment end is looked at).
     """
+    found = [at + 1 for at in (payload.find(b"\rMSH"), payload.find(b"\nMSH")) if at >= 0]
+    if not found:
+        return None
     try:
-        env: Envelope | None = envelope.read_msh(payload[at:])
+        env: Envelope | None = envelope.read_msh(payload[min(found):])
     except MalformedMsh as exc:
         env = exc.partial
     except NoMshSegment:
-        env = None
+        return None
     if env is not None and env.is_ack:
         record = AuditRecord(payload, "0", "inbound ACK recorded", env, received_at=received_at)
         return Decision((RECEIVED, Log("info", "inbound_ack_recorded", {"control_id": env.control_id}),

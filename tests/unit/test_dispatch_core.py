@@ -349,6 +349,15 @@ class TestOnLoss:
         assert event_of(failed.note) == "message_failed"
         assert on_loss(head, 3, loss, policy(max_attempts=3, on_reject="pause"), replay=True).pause is not None
 
+    def test_an_inflight_head_left_by_a_restart_after_its_last_attempt_fails(self) -> None:
+        """After a crash or takeover the successor does not send it a max_attempts + 1-th time (paused or not)."""
+        head = row(state=State.INFLIGHT, attempts=3)
+        for pol in (policy(max_attempts=3), policy(max_attempts=3, paused=True)):
+            failed = decide_head(head, pol, UP, NOW)
+            assert isinstance(failed, GiveUp)
+            assert (failed.state, failed.error_code) == (State.FAILED, "no_answer")
+        assert isinstance(decide_head(head, policy(max_attempts=4), UP, NOW), Send)
+
     @pytest.mark.parametrize(("loss", "why"), [(Loss.RESPONSE_TIMEOUT, "response timeout"),
                                                (Loss.CONNECTION_LOST, "connection lost")])
     def test_without_replay_the_row_is_ambiguous(self, loss: Loss, why: str) -> None:
