@@ -35,6 +35,7 @@ import errno
 import json
 import socket
 import socketserver
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -181,6 +182,18 @@ class _Server(ThreadingHTTPServer):
         self.metrics = metrics
         self.loop_stall_limit = loop_stall_limit
         super().__init__(address, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:  # noqa: ANN401 - socketserver's types
+        """A request that failed (a client gone before its answer: curl | head, a scrape timeout): one log line.
+
+        socketserver's own prints a traceback to stderr, which is not a JSON
+        line and breaks the log for every line-based shipper.
+        """
+        error = sys.exc_info()[1]
+        if isinstance(error, ConnectionError | TimeoutError):
+            log.debug("admin_client_gone", error=type(error).__name__)
+        else:
+            log.warning("admin_request_failed", error=repr(error)[:200])
 
     def server_bind(self) -> None:
         socketserver.TCPServer.server_bind(self)  # skips HTTPServer's getfqdn

@@ -11,6 +11,7 @@ import dataclasses
 import http.client
 import json
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -358,6 +359,27 @@ class TestStatusPage:
         assert data["upstream"]["last_error"] == "connection refused"
         assert data["lease_held"] is True and data["recent_failures"] == []
         assert data["uptime_s"] >= 192 and data["errors"] == {}
+
+
+class TestClientsGoneEarly:
+    def test_a_client_that_resets_before_its_answer_leaves_no_traceback(
+        self, server: AdminServer, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """curl | head, a scrape timeout: the failed request is a log line, never socketserver's traceback.
+
+        That traceback went to stderr, the daemon's JSON log: 20 such
+        requests wrote 545 lines that are no JSON, and glued the next events on.
+        """
+        host, port = server.address
+        before = threading.active_count()
+        for _ in range(20):
+            with socket.create_connection((host, port), timeout=5) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+                sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        wait_for(lambda: threading.active_count() <= before, 10, what="every request handled")
+        assert request(server, "GET", "/healthz")[0] == 200
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "Exception occurred" not in err, err[:500]
 
 
 class TestDepthSampler:
