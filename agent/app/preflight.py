@@ -112,7 +112,7 @@ def tls_problem(settings: Any) -> tuple[str, str] | None:  # noqa: ANN401 - Sett
     """
     from agent.runtime.mllp_server import build_server_ssl
     from agent.runtime.outbound import build_client_ssl
-    from agent.runtime.upstream import upstream_ssl_context
+    from agent.runtime.upstream import safe_url, upstream_ssl_context
 
     for index, channel in enumerate(settings.channels):
         build = build_client_ssl if channel.outbound else build_server_ssl
@@ -127,7 +127,7 @@ def tls_problem(settings: Any) -> tuple[str, str] | None:  # noqa: ANN401 - Sett
         upstream_ssl_context(server.url, server.ca_file, server.client_cert, server.client_key)
     except (OSError, ValueError) as exc:
         key = "client_cert" if server.client_cert is not None else "ca_file"
-        return f"server.{key}", f"server.{key}: cannot load the TLS files for {server.url}: {exc}"
+        return f"server.{key}", f"server.{key}: cannot load the TLS files for {safe_url(server.url or '')}: {exc}"
     return None
 
 

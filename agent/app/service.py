@@ -43,6 +43,7 @@ from agent.runtime.mllp_server import ChannelListener, IntakeContext
 from agent.runtime.outbound import OutboundChannel
 from agent.runtime.relay import AckRelay
 from agent.runtime.sdnotify import Notifier
+from agent.runtime.upstream import safe_url
 from agent.storage import maintenance
 from agent.storage import sqlite as db
 from agent.storage.maintenance import FREE_PAGE_SLACK
@@ -309,7 +310,7 @@ class Agent:
             version=__version__,
             channels=[c.name for c in s.channels],
             db=s.queue.dsn_masked if s.queue.backend == "postgresql" else str(s.db_path),
-            upstream=s.server.url,
+            upstream=safe_url(s.server.url) if s.server.url else None,
         )
 
     async def _start_outbound(self, index: int, channel: Any, ctx: IntakeContext) -> None:  # noqa: ANN401

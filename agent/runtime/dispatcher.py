@@ -44,7 +44,7 @@ from agent.runtime.aio import cancel_and_wait, wait_event
 from agent.runtime.channel_worker import ChannelWorker, DispatchContext
 from agent.runtime.partition_worker import PartitionWorker
 from agent.runtime.relay import AckRelay
-from agent.runtime.upstream import LinkSettings, UpstreamLink
+from agent.runtime.upstream import LinkSettings, UpstreamLink, safe_url
 from agent.storage.store import LeaseHolder, SqliteStore
 from agent.storage.writer import Reader, Writer
 
@@ -151,7 +151,7 @@ class Dispatcher:
         return {
             "configured": True,
             "connected": session is not None,
-            "url": self.settings.server.url,
+            "url": safe_url(self.settings.server.url) if self.settings.server.url else None,
             "replay": session.replay if session is not None else None,
             "last_error": link.last_error if link is not None else None,
         }

@@ -100,8 +100,8 @@ class LinkSettings:
     queue_id: str | None = None
 
 
-def _safe_url(url: str) -> str:
-    """The URL without userinfo or query, which may carry credentials (for logs)."""
+def safe_url(url: str) -> str:
+    """The URL without userinfo or query, which may carry credentials (for logs, the status page, errors)."""
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -154,7 +154,7 @@ class UpstreamLink:
         #: the link does not reconnect; its owner rechecks the lease.
         self.refused = asyncio.Event()
         self.last_error: str | None = None
-        self._log = log.bind(url=_safe_url(settings.url))
+        self._log = log.bind(url=safe_url(settings.url))
 
     # -- public API ----------------------------------------------------------
 

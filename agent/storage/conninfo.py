@@ -36,9 +36,14 @@ def _split_url(dsn: str) -> tuple[str, str, str, str]:
     return scheme + "://", userinfo if at else "", hosts + slash + path, query
 
 
+#: Any ``scheme://``: a wrong one (``mysql://u:pw@h/db``) is shown in the error
+#: that refuses it, and must be masked like a right one.
+_ANY_URL = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def mask_dsn(dsn: str) -> str:
     """``dsn`` with any password shown as ``***`` (URL user info, URL query, or ``password=``)."""
-    if not is_url(dsn):
+    if not _ANY_URL.match(dsn):
         return _KV_PASSWORD.sub(lambda m: m.group(1) + MASK, dsn)
     scheme, userinfo, rest, query = _split_url(dsn)
     if ":" in userinfo:

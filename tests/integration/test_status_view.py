@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agenttest import http_get, until
+from agenttest import http_get, log_events, until
 from agenttest import run_async as run
+from structlog.testing import capture_logs
 
 from agent.app.devserver import Answer, default_answer
 from agent.app.service import Agent
@@ -60,6 +61,23 @@ class TestUpstreamSince:
                     assert down_at > up_at and not dispatcher.upstream_state()["connected"]
 
         run(scenario())
+
+    def test_a_password_in_the_server_url_is_never_shown(self, tmp_path: Path) -> None:
+        """ws://user:pw@host: the status page, /status.json and agent_started show the URL without user info."""
+
+        async def scenario() -> None:
+            async with dev_server() as server:
+                secret_url = url(server).replace("ws://", "ws://agent:s3cret@")
+                settings = settings_for(tmp_path, secret_url, [{"name": "adt"}])
+                async with agent_running(settings) as agent:
+                    dispatcher = agent.dispatcher
+                    assert dispatcher is not None
+                    assert dispatcher.upstream_state()["url"] == url(server)
+
+        with capture_logs() as logs:
+            run(scenario())
+        (started,) = log_events(logs, "agent_started")
+        assert "s3cret" not in str(started) and "agent:" not in str(started["upstream"])
 
 
 class TestChannelActivity:

@@ -52,6 +52,8 @@ class TestMaskDsn:
         ("host=db user=hl7 password=s3cret dbname=hl7", "host=db user=hl7 password=*** dbname=hl7"),
         ("host=db password = 's3 cr\\'et' dbname=hl7", "host=db password = *** dbname=hl7"),
         ("host=db dbname=hl7", "host=db dbname=hl7"),
+        # A URL of another scheme is refused, and the refusal shows it: masked too.
+        ("mysql://u:s3cret@h/db", "mysql://u:***@h/db"),
     ])
     def test_the_password_never_shows(self, dsn: str, masked: str) -> None:
         """URL user info, a URL's password parameter and a key/value password are all masked."""
@@ -112,6 +114,11 @@ class TestBackendKeys:
     def test_an_unparsable_dsn_is_refused_masked(self, tmp_path: Path) -> None:
         """libpq's parser rejects it at load, and the message never shows the password."""
         message = error_of(tmp_path, 'backend = "postgresql"\ndsn = "host=db password=s3cret bogus"')
+        assert "not a libpq connection string" in message and "s3cret" not in message
+
+    def test_a_dsn_of_another_scheme_is_refused_masked(self, tmp_path: Path) -> None:
+        """mysql://u:pw@h/db is no libpq string; the error (which quotes libpq's, quoting the dsn) never shows pw."""
+        message = error_of(tmp_path, 'backend = "postgresql"\ndsn = "mysql://u:s3cret@h/db"')
         assert "not a libpq connection string" in message and "s3cret" not in message
 
     def test_password_in_two_places_is_refused(self, tmp_path: Path) -> None:
