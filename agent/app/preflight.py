@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,14 @@ def data_dir_problem(data_dir: Path) -> DataDirProblem | None:
             f"have root create it for that user (install -d -m 0700 -o {name} {data_dir}) "
             "or set agent.data_dir to a folder it can write",
         )
+    # Permission bits do not tell everything (root may write anywhere, but not
+    # make folders in /proc or on a read-only mount): make one, and remove it.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".hl7-agent-check-", dir=parent))
+    except OSError as exc:
+        return DataDirProblem(data_dir, parent, f"takes no new folder ({exc.strerror or exc}), "
+                              f"so {data_dir} cannot be created",
+                              "set agent.data_dir to a folder on a writable file system")
     return None
 
 

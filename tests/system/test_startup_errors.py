@@ -162,6 +162,14 @@ class TestDataDirProblem:
         assert "not a directory" in problem.error
 
     def test_a_usable_folder(self, tmp_path: Path) -> None:
-        """An existing writable folder, and one that can be created, have no problem."""
+        """An existing writable folder, and one that can be created, have no problem; the check leaves nothing behind."""
         assert data_dir_problem(tmp_path) is None
         assert data_dir_problem(tmp_path / "a" / "b") is None
+        assert list(tmp_path.iterdir()) == []
+
+    def test_a_file_system_that_takes_no_folder(self) -> None:
+        """/proc: writable by its mode bits for root, yet no folder can be made there; named, with the fix."""
+        problem = data_dir_problem(Path("/proc/hl7-agent-data"))
+        assert problem is not None and problem.path == Path("/proc")
+        if os.geteuid() == 0:  # others are stopped by the mode bits first
+            assert "takes no new folder" in problem.error and "writable file system" in problem.fix
