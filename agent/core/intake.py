@@ -88,7 +88,7 @@ MAX_PIPELINED_FRAMES = 32
 FEED_CHUNK = 16 * 1024
 #: Frames handled per step at most (16 KiB holds 5,000 empty ones): a flood
 #: of tiny frames yields the event loop to the other senders between steps.
-STEP_EVENTS = 64
+STEP_EVENTS = 256
 #: After a step whose frames were only counted (over the audit bound), the
 #: next waits this long: handling a junk flood flat out would keep the event
 #: loop, and the GIL, from every other channel and the writer.
