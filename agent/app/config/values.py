@@ -39,7 +39,7 @@ def parse_duration(value: object) -> float:
     """
     if isinstance(value, bool):
         # ValueError, not TypeError: pydantic reports only ValueError as a validation error.
-        raise ValueError(f"{value!r} is not a duration; use seconds or 30s/5m/2h/7d")  # noqa: TRY004
+        raise ValueError(f"{value!r} is not a duration; use seconds or 500ms/30s/5m/2h/7d/1w")  # noqa: TRY004
     if isinstance(value, int | float):
         seconds = float(value)
     elif isinstance(value, str):
@@ -50,10 +50,10 @@ def parse_duration(value: object) -> float:
             compact = text.replace(" ", "")
             parts = _DURATION_PART.findall(compact)
             if not parts or "".join(n + u for n, u in parts).lower() != compact.lower():
-                raise ValueError(f"{value!r} is not a duration; use seconds or 500ms/30s/5m/2h/7d")
+                raise ValueError(f"{value!r} is not a duration; use seconds or 500ms/30s/5m/2h/7d/1w")
             seconds = sum(float(n) * _DURATION_UNITS[u.lower()] for n, u in parts)
     else:
-        raise ValueError(f"{value!r} is not a duration; use seconds or 30s/5m/2h/7d")  # noqa: TRY004
+        raise ValueError(f"{value!r} is not a duration; use seconds or 500ms/30s/5m/2h/7d/1w")  # noqa: TRY004
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{value!r} must be a finite duration >= 0")
     return seconds
