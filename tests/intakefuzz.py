@@ -223,7 +223,7 @@ def expected(payload: bytes, channel_encoding: str = "utf-8") -> Expected:
     try:
         env: envelope.Envelope | None = envelope.read_msh(payload)
     except envelope.NoMshSegment:
-        return Expected(False, False, False, False)
+        return _expected_msh_not_first(payload)
     except envelope.MalformedMsh as exc:
         partial = exc.partial
         waivable = partial is not None and partial.accept_ack_type.strip().upper() in ("NE", "ER", "SU")
@@ -236,6 +236,22 @@ def expected(payload: bytes, channel_encoding: str = "utf-8") -> Expected:
     except (EnvelopeError, UnsupportedCharset):
         decodable = False
     return Expected(True, env.is_ack, waivable, decodable and not env.is_ack)
+
+
+def _expected_msh_not_first(payload: bytes) -> Expected:
+    """No MSH at the start: the earliest MSH after a segment end is read, as a reject (never acceptable)."""
+    starts = [at + 1 for at in (payload.find(b"\rMSH"), payload.find(b"\nMSH")) if at >= 0]
+    if not starts:
+        return Expected(False, False, False, False)
+    try:
+        env = envelope.read_msh(payload[min(starts):])
+    except envelope.NoMshSegment:
+        return Expected(False, False, False, False)
+    except envelope.MalformedMsh as exc:
+        env = exc.partial
+    if env is None:
+        return Expected(True, False, False, False)
+    return Expected(True, env.is_ack, env.accept_ack_type.strip().upper() in ("NE", "ER", "SU"), False)
 
 
 def ack_problems(ack: bytes) -> list[str]:

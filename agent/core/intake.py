@@ -167,6 +167,7 @@ class IntakeConnection:
         self._junk_counted = False
         self._relay_overflow_logged = False
         self._audits_pending = 0
+        self._audit_logs: deque[tuple[Log, ...]] = deque()  # each pending audit row's lines, written with its id
         self._window_start = -AUDIT_WINDOW
         self._rows_in_window = 0
         self._unstored = 0
@@ -343,8 +344,15 @@ class IntakeConnection:
         assert slot.message is not None
         return policy_.handling_failed(exc, slot.message.body, slot.message.received_at)
 
-    def audit_done(self, error: str | None = None) -> None:
+    def audit_done(self, error: str | None = None, message_id: str | None = None) -> None:
+        """The writer stored the oldest pending audit row (as ``message_id``), or failed to.
+
+        Its lines are written now, with the row's id for an operator to look
+        it up; the writer answers one connection's audit rows in order.
+        """
         self._audits_pending -= 1
+        for line in self._audit_logs.popleft() if self._audit_logs else ():
+            self._emit(line if message_id is None else replace(line, fields={**line.fields, "id": message_id}))
         if error is not None:
             self._emit(Log("warning", "audit_row_failed", {"error": error}))
         self._process(feed=False)
@@ -617,7 +625,7 @@ class IntakeConnection:
                     continue
                 self._audits_pending += 1
                 self._emit(effect)
-                self._actions.extend(effect.then)
+                self._audit_logs.append(effect.then)
             elif type(effect) is Log and effect.event == REPLAY_EVENT and not self._replay_logged():
                 continue
             else:

@@ -103,8 +103,8 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float, *, a
     if env.is_ack:
         # A sender acknowledging what we relayed: recorded, never queued or answered.
         record = AuditRecord(payload, "0", "inbound ACK recorded", env, received_at=received_at)
-        return Decision((received, Log("info", "inbound_ack_recorded", {"control_id": env.control_id}),
-                         Audit(record, limited=False)))
+        return Decision((received, Audit(record, limited=False, then=(
+            Log("info", "inbound_ack_recorded", {"control_id": env.control_id}),))))
     try:
         codec = charsets.resolve_codec(env.charset, policy.encoding)
         text = charsets.decode_message(payload, codec)
@@ -144,8 +144,8 @@ def _msh_not_first(payload: bytes, policy: ChannelPolicy, received_at: float, *,
         return None
     if env is not None and env.is_ack:
         record = AuditRecord(payload, "0", "inbound ACK recorded", env, received_at=received_at)
-        return Decision((RECEIVED, Log("info", "inbound_ack_recorded", {"control_id": env.control_id}),
-                         Audit(record, limited=False)))
+        return Decision((RECEIVED, Audit(record, limited=False, then=(
+            Log("info", "inbound_ack_recorded", {"control_id": env.control_id}),))))
     # The text names no byte before the MSH: those may be anything, patient data too.
     return refuse(env, payload, Outcome.MALFORMED, 100,
                   "segment sequence error: the message must start with its MSH segment",

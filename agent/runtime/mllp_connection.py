@@ -476,7 +476,8 @@ class Connection(asyncio.Protocol):
 
         def done(fut: concurrent.futures.Future[Any]) -> None:
             error = None if fut.cancelled() else fut.exception()
-            self.core.audit_done(None if error is None else str(error))
+            message_id = None if fut.cancelled() or error is not None else fut.result()
+            self.core.audit_done(None if error is None else str(error), message_id)
             self._run()
 
         future.add_done_callback(lambda fut: self._from_writer(done, fut))

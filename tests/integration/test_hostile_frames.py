@@ -111,6 +111,31 @@ class TestUnusableCharset:
         assert audit_rows(tmp_path) == {"BAD-CS": "103"}
 
 
+class TestAuditRowIds:
+    def test_the_log_lines_of_audit_rows_name_the_rows(self, tmp_path: Path) -> None:
+        """A reject, a frame without MSH and an inbound ACK: each line carries its audit row's id."""
+
+        async def scenario(port: int) -> None:
+            wire = await Wire.open(port)
+            try:
+                await wire.send(with_msh18(hl7_message("BAD-CS"), b"rot13"), b"PID|1||4711\r",
+                                b"MSH|^~\\&|EHR|CENTRAL|LAB|NORTH|20260101||ACK|IN-ACK|P|2.5\rMSA|AA|X\r",
+                                hl7_message("GOOD-1"))
+                bad, good = await wire.read_frames(2)
+            finally:
+                wire.close()
+            assert (ack_code(bad), ack_code(good)) == ("AE", "AA")
+
+        with capture_logs() as logs:
+            run_with_agent(tmp_path, CHANNEL, scenario)
+        ids = {str(code): str(row_id) for row_id, code in db_rows(
+            tmp_path / "data" / "queue.db", "SELECT id, error_code FROM messages WHERE state = 'nacked'")}
+        assert set(ids) == {"103", "100", "0"}
+        assert [e["id"] for e in log_events(logs, "message_rejected")] == [ids["103"]]
+        assert [e["id"] for e in log_events(logs, "frame_without_msh_dropped")] == [ids["100"]]
+        assert [e["id"] for e in log_events(logs, "inbound_ack_recorded")] == [ids["0"]]
+
+
 class TestFramingBytesInFields:
     def test_fs_at_the_end_of_msh12_gives_one_clean_accept_ack(self, tmp_path: Path) -> None:
         """A 0x1C at the end of MSH-12 (payload: LF, not CR, after it) is committed and answered by one readable AA frame.
