@@ -395,9 +395,7 @@ def decide_head(
     if head.state == State.INFLIGHT and attempts_exhausted(head.attempts - head.redrive_base, policy.max_attempts):
         # Its max_attempts-th send was left unanswered by a restart or a
         # takeover: what on_loss decides for one left unanswered in service.
-        return _give_up(head, head.attempts, State.FAILED, "no_answer",
-                        f"max_attempts {policy.max_attempts} reached; last attempt: no answer before a restart",
-                        policy)
+        return _unanswered(head, head.attempts, "no answer before a restart", policy)
     if policy.paused:
         # Dispatch holds: no new attempt of a head already claimed or in flight
         # (one whose answer timed out or whose connection was lost) until resumed.
@@ -485,8 +483,7 @@ def on_loss(
             # Unanswered as often as max_attempts allows (a message the server
             # never answers, or drops its connection on): set aside, not resent
             # for ever. The server may have it; a re-drive sends the same id.
-            return _give_up(row, attempt, State.FAILED, "no_answer",
-                            f"max_attempts {policy.max_attempts} reached; last attempt: {loss.value}", policy)
+            return _unanswered(row, attempt, loss.value, policy)
         return KeepInflight()
     return ambiguous(row, attempt, f"{loss.value}; server does not replay", policy)
 
@@ -537,6 +534,12 @@ def _give_up(row: Row, attempt: int, state: State, code: str, text: str, policy:
     return GiveUp(row.id, attempt, state, code, text, app_ack, pause,
                   note=Note.of("warning", event, error_code=code, reason=text), notes=notes,
                   server_reason=server_reason)
+
+
+def _unanswered(row: Row, attempt: int, last: str, policy: ChannelPolicy) -> GiveUp:
+    """``failed`` (no_answer): its max_attempts-th send got no answer; ``last`` says how it went."""
+    return _give_up(row, attempt, State.FAILED, "no_answer",
+                    f"max_attempts {policy.max_attempts} reached; last attempt: {last}", policy)
 
 
 def _pause(row: Row, policy: ChannelPolicy, reason: str) -> Pause:

@@ -101,10 +101,7 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float, *, a
         env = exc.partial  # an inbound ACK is never answered, even a sloppy one
     received = RECEIVED
     if env.is_ack:
-        # A sender acknowledging what we relayed: recorded, never queued or answered.
-        record = AuditRecord(payload, "0", "inbound ACK recorded", env, received_at=received_at)
-        return Decision((received, Audit(record, limited=False, then=(
-            Log("info", "inbound_ack_recorded", {"control_id": env.control_id}),))))
+        return _inbound_ack(payload, env, received_at)
     try:
         codec = charsets.resolve_codec(env.charset, policy.encoding)
         text = charsets.decode_message(payload, codec)
@@ -125,6 +122,13 @@ def decide_frame(payload: bytes, policy: ChannelPolicy, received_at: float, *, a
     return Decision((received,), commit=NewMessage(env, payload, codec, text, ack_mode, commit_ack, received_at))
 
 
+def _inbound_ack(payload: bytes, env: Envelope, received_at: float) -> Decision:
+    """A sender acknowledging what we relayed: recorded, never queued or answered (answering would never end)."""
+    record = AuditRecord(payload, "0", "inbound ACK recorded", env, received_at=received_at)
+    return Decision((RECEIVED, Audit(record, limited=False, then=(
+        Log("info", "inbound_ack_recorded", {"control_id": env.control_id}),))))
+
+
 def _msh_not_first(payload: bytes, policy: ChannelPolicy, received_at: float, *,
                    ack_always: bool) -> Decision | None:
     """Another segment before the MSH (a broken batch header, say): AE/CE 100, as the MSH there addresses it.
@@ -143,9 +147,7 @@ def _msh_not_first(payload: bytes, policy: ChannelPolicy, received_at: float, *,
     except NoMshSegment:
         return None
     if env is not None and env.is_ack:
-        record = AuditRecord(payload, "0", "inbound ACK recorded", env, received_at=received_at)
-        return Decision((RECEIVED, Audit(record, limited=False, then=(
-            Log("info", "inbound_ack_recorded", {"control_id": env.control_id}),))))
+        return _inbound_ack(payload, env, received_at)
     # The text names no byte before the MSH: those may be anything, patient data too.
     return refuse(env, payload, Outcome.MALFORMED, 100,
                   "segment sequence error: the message must start with its MSH segment",
