@@ -10,7 +10,8 @@ a local one an AR/CE "resend later".
     │   ├── UsageError              a command-line flag or combination that cannot work
     │   └── AdminListenInUse        the admin address is taken (overlap: one each)
     ├── LocalError                  our side failed; the peer may retry
-    │   ├── StorageError            SQLite refused or failed a write
+    │   ├── StorageError            the queue database refused or failed an operation
+    │   │   ├── DatabaseUnavailable the database server is away or read-only, for now
     │   │   └── DatabaseLocked      busy beyond busy_timeout
     │   ├── IncompatibleDatabase    schema too new, or another agent.id owns it
     │   ├── LeaseLost               the dispatch lease moved; stop dispatching
@@ -48,6 +49,10 @@ class LocalError(AgentError):
 
 class StorageError(LocalError):
     """The queue database refused or failed an operation."""
+
+
+class DatabaseUnavailable(StorageError):
+    """The database server cannot be reached (or takes no writes) now; it may later."""
 
 
 class DatabaseLocked(StorageError):

@@ -26,9 +26,12 @@ dedupe, seq, the fenced transitions, stats — is the same store code
   hosts' clocks need not agree.
 - **A lost connection is opened again** before the next transaction, spaced
   out with backoff while the server is away; until then every write fails at
-  once (intake answers "resend later", ``/readyz`` is not ready).
+  once (intake answers "resend later", ``/readyz`` is not ready). A database
+  that cannot be reached when the daemon starts is the same case: the daemon
+  starts without it, and the writer's first connection migrates
+  (:meth:`PostgresDialect.open_later`).
 
-One module of about 450 lines: the dialect's session settings, its error
+One module of about 470 lines: the dialect's session settings, its error
 mapping, reconnecting and the migration lock all act on the same
 connection, and split apart each would need the others' internals.
 """
@@ -49,7 +52,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from agent.core.retry import backoff
-from agent.errors import DatabaseLocked, IncompatibleDatabase, StorageError
+from agent.errors import DatabaseLocked, DatabaseUnavailable, IncompatibleDatabase, StorageError
 from agent.storage import schema
 from agent.storage.conninfo import mask_dsn
 from agent.storage.dialect import Failure, TransactionBlocks
@@ -154,6 +157,8 @@ class PostgresDialect(TransactionBlocks):
         self._delays = backoff(RECONNECT_INITIAL, 2.0, RECONNECT_CAP)
         self._retry_at = 0.0
         self._last_error = ""
+        #: The agent id to migrate the schema for on the next connection (open_later), else None.
+        self._migrate_for: str | None = None
 
     # -- connections -----------------------------------------------------------
 
@@ -168,8 +173,10 @@ class PostgresDialect(TransactionBlocks):
         try:
             conn = psycopg.connect(**params, autocommit=True)
         except psycopg.Error as exc:
-            raise StorageError(f"cannot connect to the queue database {self.display_dsn}: "
-                               f"{_one_line(exc)}") from exc
+            # libpq gives no SQLSTATE before a session exists: a server that is
+            # down, starting, or refusing this password all look alike here.
+            raise DatabaseUnavailable(f"cannot connect to the queue database {self.display_dsn}: "
+                                      f"{_one_line(exc)}") from exc
         try:
             self._configure(conn)
         except BaseException:
@@ -194,33 +201,53 @@ class PostgresDialect(TransactionBlocks):
             durable = _show(conn, "synchronous_commit")
             writable = _show(conn, "transaction_read_only") == "off"
         except psycopg.Error as exc:
-            raise StorageError(f"cannot set up a session on {where}: {_one_line(exc)}") from exc
+            raise DatabaseUnavailable(f"cannot set up a session on {where}: {_one_line(exc)}") from exc
         if durable not in _DURABLE:
             raise StorageError(f"{where} keeps synchronous_commit = {durable}; the agent needs on")
         if self.role == "writer" and not writable:
-            raise StorageError(f"{where} takes no writes (a standby, or default_transaction_read_only); "
-                               "point queue.dsn at the primary")
+            # A standby now may be the primary after a failover: "read-only" is waited out.
+            raise DatabaseUnavailable(f"{where} takes no writes (a standby, or default_transaction_read_only); "
+                                      "point queue.dsn at the primary")
 
-    def connection_usable(self, conn: PgConnection) -> bool:
-        return not (self._drop or conn.closed or conn.broken)
+    def connection_usable(self, conn: PgConnection | None) -> bool:
+        return not (conn is None or self._drop or conn.closed or conn.broken)
 
-    def reconnect(self, conn: PgConnection) -> PgConnection:
-        """A new connection for a lost one; StorageError at once while the backoff runs."""
+    def open_later(self, error: StorageError, agent_id: str | None = None) -> None:
+        """The database could not be reached at start (``error``): connect on first use, retried with backoff.
+
+        ``agent_id``: the writer's — its first connection migrates the schema
+        and checks the owner, as a start would have. The store holds no
+        connection (None) until then; every write fails at once with
+        "queue database unavailable", as after a lost connection.
+        """
+        self._migrate_for = agent_id
+        self._last_error = _one_line(error)
+        self._retry_at = time.monotonic() + next(self._delays)
+
+    def reconnect(self, conn: PgConnection | None) -> PgConnection:
+        """A new connection for a lost one (None: never opened); StorageError at once while the backoff runs."""
         now = time.monotonic()
         if now < self._retry_at:
             raise StorageError(f"queue database unavailable ({self._last_error}); "
                                f"next connection attempt in {self._retry_at - now:.1f}s")
-        try:
-            conn.close()
-        except psycopg.Error:
-            pass
+        if conn is not None:
+            try:
+                conn.close()
+            except psycopg.Error:
+                pass
         try:
             fresh = self.connect()
             if self._read_only:
                 self.read_only(fresh)
-        except (StorageError, psycopg.Error) as exc:
+            if self._migrate_for is not None:
+                self._migrate_first(fresh, self._migrate_for)
+        except (StorageError, IncompatibleDatabase, psycopg.Error) as exc:
             self._last_error = _one_line(exc)
             self._retry_at = time.monotonic() + next(self._delays)
+            if isinstance(exc, IncompatibleDatabase):
+                # Not the server's absence: the operator must act (check --config).
+                log.error("queue_database_refused", role=self.role, error=self._last_error)
+                raise StorageError(self._last_error) from exc
             log.warning("queue_database_unavailable", role=self.role, error=self._last_error)
             raise exc if isinstance(exc, StorageError) else StorageError(self._last_error) from exc
         self._drop = False
@@ -228,6 +255,16 @@ class PostgresDialect(TransactionBlocks):
         self._delays = backoff(RECONNECT_INITIAL, 2.0, RECONNECT_CAP)
         log.info("queue_database_reconnected", role=self.role)
         return fresh
+
+    def _migrate_first(self, conn: PgConnection, agent_id: str) -> None:
+        """The migration a start would have run, on the first connection after open_later."""
+        try:
+            migrate(self, conn, agent_id, time.time())
+        except BaseException:
+            conn.close()
+            raise
+        self._migrate_for = None
+        log.info("queue_database_migrated", role=self.role, dsn=self.display_dsn)
 
     # -- transactions ----------------------------------------------------------
 
@@ -393,7 +430,9 @@ def open_database(dialect: PostgresDialect, agent_id: str, now: float) -> PgConn
         migrate(dialect, conn, agent_id, now)
     except psycopg.Error as exc:
         conn.close()
-        raise StorageError(f"cannot migrate the queue database {dialect.display_dsn}: {_one_line(exc)}") from exc
+        failure = dialect.classify(exc)
+        kind = DatabaseUnavailable if failure in (Failure.CONNECTION_LOST, Failure.READ_ONLY) else StorageError
+        raise kind(f"cannot migrate the queue database {dialect.display_dsn}: {_one_line(exc)}") from exc
     except BaseException:
         conn.close()
         raise

@@ -28,7 +28,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from agent.errors import ConfigError, DatabaseLocked, StorageError
+import structlog
+
+from agent.errors import ConfigError, DatabaseLocked, DatabaseUnavailable, StorageError
 from agent.storage import sqlite as db
 from agent.storage.dialect import Dialect
 from agent.storage.liveness import LeaseHolder, holder_provably_dead
@@ -48,6 +50,8 @@ from agent.storage.rows import (
 from agent.storage.sql import load_queries
 from agent.storage.store_intake import IntakeQueries
 from agent.storage.store_operator import OperatorQueries
+
+log = structlog.get_logger(__name__)
 
 __all__ = [
     "FREE_PAGE_SLACK",
@@ -215,7 +219,8 @@ def open_stores(db_path: Path, queue: QueueConfig, agent_id: str, now: float) ->
 
     SQLite: the file at ``db_path``, created when missing. PostgreSQL: the
     database of ``queue.dsn`` (several processes may start at once: the
-    first migrates, under an advisory lock).
+    first migrates, under an advisory lock); one that cannot be reached now
+    is connected and migrated on first use instead.
     """
     if queue.backend == POSTGRESQL:
         from agent.storage import postgres
@@ -224,13 +229,29 @@ def open_stores(db_path: Path, queue: QueueConfig, agent_id: str, now: float) ->
         db_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         options = pg_options(queue, agent_id)
         writer_dialect = postgres.PostgresDialect(options, role="writer")
-        conn = postgres.open_database(writer_dialect, agent_id, now)
         reader_dialect = postgres.PostgresDialect(options, role="reader")
+        # A database away at start is waited out like one lost later (docs/ha.md):
+        # the daemon starts, intake answers "resend later", and the writer's
+        # first connection migrates. Another agent's database still stops it.
+        conn: postgres.PgConnection | None
+        reader_conn: postgres.PgConnection | None = None
         try:
-            reader_conn = reader_dialect.connect()
-        except BaseException:
-            conn.close()
-            raise
+            conn = postgres.open_database(writer_dialect, agent_id, now)
+        except DatabaseUnavailable as exc:
+            writer_dialect.open_later(exc, agent_id)
+            reader_dialect.open_later(exc)
+            conn = None
+            log.warning("queue_database_unavailable_at_start", dsn=writer_dialect.display_dsn, error=str(exc),
+                        hint="starting anyway: intake answers AR 207 (resend later) until the database "
+                             "takes writes; nothing is accepted meanwhile")
+        if conn is not None:
+            try:
+                reader_conn = reader_dialect.connect()
+            except DatabaseUnavailable as exc:
+                reader_dialect.open_later(exc)  # the writer is connected: the reader retries on its own
+            except BaseException:
+                conn.close()
+                raise
         return (make_store(conn, db_path, queue, dialect=writer_dialect),
                 make_store(reader_conn, db_path, queue, dialect=reader_dialect))
     sqlite_options = db_options(queue)

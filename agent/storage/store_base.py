@@ -173,7 +173,9 @@ class StoreBase:
         self.space.begin_batch()
 
     def close(self) -> None:
-        """Close the connection; never raises."""
+        """Close the connection (None: a database server never reached); never raises."""
+        if self.conn is None:
+            return
         try:
             self.conn.close()
         except self.dialect.Error:

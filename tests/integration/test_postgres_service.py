@@ -163,6 +163,71 @@ class TestDatabaseFaults:
         run(scenario(), timeout=90)
 
 
+    def test_a_database_away_at_start_is_waited_out(
+        self, tmp_path: Path, pg_database: PgDatabase, pg_server: Any
+    ) -> None:
+        """Started while the server is down: the daemon runs, answers AR/CE 207 and fails /readyz;
+        the server back, its first write migrates the empty schema, then AA and delivery."""
+        admin_port = free_port()
+
+        async def scenario() -> None:
+            async with dev_server() as server:
+                await asyncio.to_thread(pg_server.stop)
+                try:
+                    settings = settings_for(tmp_path, pg_database, server.port, admin_port=admin_port)
+                    async with agent_on(settings) as agent:
+                        down = await send(agent, "D1")
+                        assert (ack_code(down), err3(down)) == ("AR", "207")
+                        assert await ready(admin_port) == 503
+                        await asyncio.to_thread(pg_server.start)
+                        back = time.monotonic()
+                        while ack_code(await send(agent, "A1")) != "AA":
+                            assert time.monotonic() - back < 20, "no accept within 20 s of the server's start"
+                            await asyncio.sleep(0.05)
+                        await until(lambda: delivered(server) == ["A1"], 20, "A1 delivered")
+                        assert await ready(admin_port) == 200
+                finally:
+                    if not pg_server.running:
+                        await asyncio.to_thread(pg_server.start)
+            # The schema the first connection made is this version's, owned by this agent.
+            assert pg_database.rows("SELECT value FROM meta WHERE key = 'agent_id'") == [(AGENT_ID,)]
+            assert pg_database.rows("SELECT control_id, state FROM messages") == [("A1", "processed")]
+
+        run(scenario(), timeout=120)
+
+    def test_another_agents_database_found_after_start_takes_nothing(
+        self, tmp_path: Path, pg_database: PgDatabase, pg_server: Any, capsys: Any
+    ) -> None:
+        """The owner check a start skipped while the server was down runs at the first connection:
+        another agent.id's queue is never written to, every message answered AR 207, and said why."""
+        admin_port = free_port()
+        other = postgres.PostgresDialect(PgOptions(dsn=pg_database.dsn, agent_id="someone-else"), role="writer")
+        conn = postgres.open_database(other, "someone-else", time.time())
+        conn.close()
+
+        async def scenario() -> None:
+            async with dev_server() as server:
+                await asyncio.to_thread(pg_server.stop)
+                try:
+                    settings = settings_for(tmp_path, pg_database, server.port, admin_port=admin_port)
+                    async with agent_on(settings) as agent:
+                        await asyncio.to_thread(pg_server.start)
+                        deadline = time.monotonic() + 5  # well past a few reconnection attempts
+                        while time.monotonic() < deadline:
+                            answer = await send(agent, f"X{int(time.monotonic() * 1000)}")
+                            assert (ack_code(answer), err3(answer)) == ("AR", "207")
+                            await asyncio.sleep(0.2)
+                        assert await ready(admin_port) == 503
+                finally:
+                    if not pg_server.running:
+                        await asyncio.to_thread(pg_server.start)
+
+        run(scenario(), timeout=120)
+        assert pg_database.rows("SELECT count(*) FROM messages") == [(0,)]
+        logged = capsys.readouterr()
+        assert "queue_database_refused" in logged.out + logged.err
+
+
 class TestWhatAnOperatorSees:
     def test_status_page_metrics_and_the_audit_trail_read_the_shared_database(
         self, tmp_path: Path, pg_database: PgDatabase, monkeypatch: Any
