@@ -33,6 +33,7 @@ needs nothing beyond splitting on the declared delimiters).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -119,9 +120,16 @@ def shown_key(key: str) -> str:
     return "" if key and not key.strip(KEY_SEPARATOR) else key
 
 
-def key_hash(key: str) -> str:
-    """A short, stable name for a key where the value must not show (logs, stats, the page)."""
-    return hashlib.sha256(shown_key(key).encode("utf-8", "surrogatepass")).hexdigest()[:12]
+def key_hash(key: str, secret: str) -> str:
+    """A short, stable name for a key where the value must not show (logs, stats, the page).
+
+    Keyed with the queue's own ``secret`` (HMAC-SHA-256, RFC 2104; the
+    database keeps it: agent/storage/schema.py): a key is often a medical
+    record number, and a plain hash of a few digits is undone by hashing
+    every number until one matches.
+    """
+    value = shown_key(key).encode("utf-8", "surrogatepass")
+    return hmac.new(secret.encode("ascii"), value, hashlib.sha256).hexdigest()[:12]
 
 
 # -- extraction ---------------------------------------------------------------------

@@ -49,6 +49,7 @@ class _View:
     heads: list[HeadRow]
     paused: bool
     unkeyed: bool
+    key_secret: str  # for the hash that names a key in the log (the key is patient data)
 
 
 def _view_of(store: SqliteStore, channel: str, now: float, limit: int) -> _View:
@@ -58,6 +59,7 @@ def _view_of(store: SqliteStore, channel: str, now: float, limit: int) -> _View:
         heads=store.partition_heads(channel, now, limit),
         paused=channel in store.paused_channels(),
         unkeyed=bool(store.unkeyed_rows(channel, 1)),
+        key_secret=store.key_hash_secret(),
     )
 
 
@@ -133,7 +135,7 @@ class PartitionWorker(ChannelWorker):
                     continue
                 self._working[row.id] = row.partition_key
                 keys.add(row.partition_key)
-                group.create_task(self._one(row, decision, policy), name=f"dispatch-{self.name}-{row.id}")
+                group.create_task(self._one(row, decision, policy, view.key_secret), name=f"dispatch-{self.name}-{row.id}")
             if need_session and not self._working:
                 # Claim only with a session up: during an outage the heads stay `queued`.
                 try:
@@ -143,11 +145,11 @@ class PartitionWorker(ChannelWorker):
                 continue
             await self._idle(self.idle_poll)
 
-    async def _one(self, head: HeadRow, decision: HeadDecision, policy: ChannelPolicy) -> None:
+    async def _one(self, head: HeadRow, decision: HeadDecision, policy: ChannelPolicy, key_secret: str) -> None:
         """Claim (when queued), send and settle one row: the strict worker's path, for one key."""
         ctx, link = self.ctx, self.link
         mlog = self.log.bind(id=head.id, control_id=head.control_id, seq=head.seq,
-                             partition=key_hash(head.partition_key or ""))
+                             partition=key_hash(head.partition_key or "", key_secret))
         try:
             if isinstance(decision, Claim):
                 claimed = await ctx.writer.call(SqliteStore.claim_partition_head, ctx.holder, self.epoch, head.id)

@@ -6,7 +6,9 @@ docs/queue.md#schema-versions-and-upgrades: a database records ``schema_version`
 previous agent version keeps working on a migrated database; a process
 refuses a database whose ``min_compatible_version`` is above its own schema,
 and one created by another ``agent.id``. The database also gets a
-``queue_id`` once, for the server's lease-epoch fence.
+``queue_id`` once, for the server's lease-epoch fence, and a
+``key_hash_secret`` once, which keys the hashes that stand for partition
+keys wherever their values must not show (agent.core.partition.key_hash).
 
 The caller runs :func:`migrate_meta` inside its dialect's write transaction
 (SQLite's ``BEGIN IMMEDIATE``; PostgreSQL's ``BEGIN`` plus the agent's
@@ -15,6 +17,7 @@ advisory lock), so several processes starting at once migrate once.
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +25,10 @@ from typing import Any
 from agent.errors import IncompatibleDatabase
 
 __all__ = ["migrate_meta", "read_meta"]
+
+
+#: The meta key of the secret that keys partition-key hashes (never shown: it is in the database only).
+KEY_HASH_SECRET = "key_hash_secret"  # noqa: S105 - the name of the meta row, not a secret
 
 
 def read_meta(conn: Any, queries: dict[str, str]) -> dict[str, str]:  # noqa: ANN401 - a connection
@@ -76,4 +83,7 @@ def migrate_meta(
         # never changed. A new meta key only, so an older agent keeps working
         # on the database; one made by an older agent gets its id on first open by us.
         conn.execute(queries["meta_insert_if_absent"], {"key": "queue_id", "value": str(uuid.uuid4())})
+    if KEY_HASH_SECRET not in meta:
+        # The same way: every process and host on this database names a key alike.
+        conn.execute(queries["meta_insert_if_absent"], {"key": KEY_HASH_SECRET, "value": secrets.token_hex(16)})
     return version

@@ -104,6 +104,8 @@ class StoreBase:
         self.conn = conn
         self.q = queries
         self._multirow: dict[tuple[str, int], str] = {}
+        self._key_secret: str | None = None  # OperatorQueries.key_hash_secret, once read
+        self._own_secret: str | None = None  # its stand-in while the database has none
         self.db_path = db_path
         self.dedupe_window = dedupe_window
         self.retention = retention

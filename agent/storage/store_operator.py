@@ -15,12 +15,13 @@ later logs (the audit trail; docs/operations.md).
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
 from agent.core.states import ALL, DEPTH, LIVE, Event
 from agent.core.timefmt import rfc3339
-from agent.storage import maintenance
+from agent.storage import maintenance, schema
 from agent.storage.liveness import holder_provably_dead
 from agent.storage.rows import (
     ChannelActivity,
@@ -76,7 +77,7 @@ class OperatorQueries(PartitionQueries):
                 entry["oldest_queued_age_s"] = round(max(0.0, now - float(live.oldest)), 3)
         for blocked in self.blocked_partitions(now):
             channel_entry(blocked.channel).setdefault("blocked_partitions", []).append(
-                blocked_entry(blocked, now))
+                blocked_entry(blocked, now, self.key_hash_secret()))
         row = self.lease_row()
         lease_obj = None
         if (row is not None and row.holder is not None and row.expires_at is not None
@@ -150,6 +151,23 @@ class OperatorQueries(PartitionQueries):
     def meta(self) -> dict[str, str]:
         """The ``meta`` table: agent_id, schema_version, queue_id, …"""
         return {str(k): str(v) for k, v in self._exec("meta_all")}
+
+    def key_hash_secret(self) -> str:
+        """The secret of agent.core.partition.key_hash, read once.
+
+        A database no agent of this version has opened for writing yet has
+        none (a read-only command on an older queue; a database server that
+        was away when the daemon started): a secret of this process's own
+        meanwhile, never kept, so its hashes still give nothing away.
+        """
+        if self._key_secret is None:
+            found = self.meta().get(schema.KEY_HASH_SECRET)
+            if not found:
+                if self._own_secret is None:
+                    self._own_secret = secrets.token_hex(16)
+                return self._own_secret
+            self._key_secret = found
+        return self._key_secret
 
     def record_outbound(self, channel: str, state_json: str) -> None:
         """An outbound channel's connection state (JSON), for ``queue stats`` in another process."""

@@ -34,7 +34,8 @@ class UnkeyedRow:
 class BlockedPartition:
     """A key that cannot go on by itself: its head waits for a retry, or the key is paused.
 
-    ``partition_key`` is patient data: show :func:`agent.core.partition.key_hash` of it.
+    ``partition_key`` is patient data: show :func:`agent.core.partition.key_hash` of it
+    (keyed with the queue's secret).
     ``id`` is None for a paused key with no live row left.
     """
 
@@ -112,10 +113,13 @@ class PartitionQueries(DispatchQueries):
         return found[:limit]
 
 
-def blocked_entry(b: BlockedPartition, now: float) -> dict[str, Any]:
-    """A blocked partition in ``queue stats --json`` (docs/queue-stats.schema.json): never the key itself."""
+def blocked_entry(b: BlockedPartition, now: float, secret: str) -> dict[str, Any]:
+    """A blocked partition in ``queue stats --json`` (docs/queue-stats.schema.json): never the key itself.
+
+    ``secret``: the queue's (OperatorQueries.key_hash_secret).
+    """
     return {
-        "key_hash": key_hash(b.partition_key),
+        "key_hash": key_hash(b.partition_key, secret),
         "why": b.why,
         "head_id": b.id,
         "head_seq": b.seq,

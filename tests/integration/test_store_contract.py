@@ -176,6 +176,27 @@ class TestIntake:
             harness.tx(lambda s: s.set_ack_outcomes([(ids[1], "lost")]))
 
 
+class TestKeyHashSecret:
+    def test_made_with_the_database_and_read_alike_by_every_connection(self, harness: Harness) -> None:
+        """Every process and host on one database must name a partition key alike."""
+        secret = harness.store.key_hash_secret()
+        assert len(secret) == 32 and harness.store.meta()["key_hash_secret"] == secret
+        other = SqliteStore(harness.store.conn, harness.store.q, db_path=harness.store.db_path,
+                            dialect=harness.store.dialect)
+        assert other.key_hash_secret() == secret
+
+    def test_a_database_without_one_gets_a_stand_in_never_kept(self, harness: Harness) -> None:
+        """An older queue read before this version opened it for writing: a secret of the process's
+        own, the same within it; the database's own one as soon as it has one."""
+        harness.tx(lambda s: s._exec("meta_upsert", key="key_hash_secret", value=""))
+        fresh = SqliteStore(harness.store.conn, harness.store.q, db_path=harness.store.db_path,
+                            dialect=harness.store.dialect)
+        stand_in = fresh.key_hash_secret()
+        assert len(stand_in) == 32 and fresh.key_hash_secret() == stand_in
+        harness.tx(lambda s: s._exec("meta_upsert", key="key_hash_secret", value="ab" * 16))
+        assert fresh.key_hash_secret() == "ab" * 16
+
+
 class TestFifoHead:
     def test_head_is_the_lowest_live_seq_of_its_channel(self, harness: Harness) -> None:
         """The head moves to the next seq only once the previous row settled."""

@@ -303,7 +303,7 @@ class TestBlockedPartitionViews:
         data = h.store.stats(["adt"])
         entries = data["channels"]["adt"]["blocked_partitions"]
         assert [(e["why"], e["head_id"], e["depth"], e["key_hash"]) for e in entries] == [
-            ("paused", b1, 1, key_hash(self.SECRET_B)), ("retrying", a1, 2, key_hash(self.SECRET_A))]
+            ("paused", b1, 1, key_hash(self.SECRET_B, h.store.key_hash_secret())), ("retrying", a1, 2, key_hash(self.SECRET_A, h.store.key_hash_secret()))]
         assert entries[1]["attempts"] == 1 and entries[1]["next_attempt_in_s"] == 25.0
         assert entries[1]["head_age_s"] == 5.0 and entries[1]["server_status"] == 503
         assert "SECRET" not in repr(data)
@@ -343,7 +343,7 @@ class TestBlockedPartitionViews:
         (channel,) = [c for c in view["channels"] if c["name"] == "adt"]
         assert channel["blocked_partitions"] == 2
         detail = " ".join(channel["detail"])
-        assert f"partition {key_hash(self.SECRET_A)} retrying" in detail and a1 in detail
+        assert f"partition {key_hash(self.SECRET_A, h.store.key_hash_secret())} retrying" in detail and a1 in detail
         assert "the other partitions go on" in detail and "SECRET" not in repr(view)
         assert channel["state"] == "retrying"
         assert channel["text"] == "2 partitions blocked, the others go on — 4 waiting"
@@ -354,8 +354,9 @@ class TestBlockedPartitionViews:
 
         self._blocked(h)
         intake(h, "C9", "MRN-X", keyed=False, channel="lab")
-        items = [list_item(r, show_body=False) for r in h.store.list_rows(RowFilter(limit=0))]
+        items = [list_item(r, show_body=False, key_secret=h.store.key_hash_secret())
+                 for r in h.store.list_rows(RowFilter(limit=0))]
         by_control = {i["control_id"]: i["partition"] for i in items}
-        assert by_control["C1"] == by_control["C2"] == key_hash(self.SECRET_A)
+        assert by_control["C1"] == by_control["C2"] == key_hash(self.SECRET_A, h.store.key_hash_secret())
         assert by_control["C9"] is None
         assert "SECRET" not in repr(items)

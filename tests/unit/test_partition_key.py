@@ -53,7 +53,7 @@ def test_several_paths_all_absent_are_shown_as_the_empty_key() -> None:
     """SPEC: all parts absent is the key "" — as sent and hashed; stored as before (no row changes partition)."""
     stored = parse_partition_key("MSH-4,PID-3.1").of("MSH|^~\\&|A|\rEVN|A01\r")
     assert stored == "\x1f"
-    assert shown_key(stored) == "" and key_hash(stored) == key_hash("")
+    assert shown_key(stored) == "" and key_hash(stored, "00") == key_hash("", "00")
     assert shown_key("\x1f12345") == "\x1f12345" and shown_key("A\x1f") == "A\x1f" and shown_key("") == ""
 
 
@@ -117,9 +117,22 @@ def test_round_trip_of_the_spec() -> None:
 
 
 def test_key_hash_is_short_stable_and_hides_the_value() -> None:
-    h = key_hash("12345")
-    assert h == key_hash("12345") and h != key_hash("12346")
+    secret = "0f" * 16
+    h = key_hash("12345", secret)
+    assert h == key_hash("12345", secret) and h != key_hash("12346", secret)
     assert len(h) == 12 and "12345" not in h
+
+
+def test_key_hash_cannot_be_undone_by_hashing_every_record_number() -> None:
+    """Keyed with the queue's secret: a log reader who hashes every 6-digit number finds no match
+    (an unkeyed SHA-256 was undone that way in about a second), and another queue names the key apart."""
+    import hashlib
+
+    secret = "5a" * 16
+    shown = {key_hash(mrn, secret) for mrn in ("483920", "071155", "999001")}
+    guesses = {hashlib.sha256(f"{n:06d}".encode()).hexdigest()[:12] for n in range(1_000_000)}
+    assert not shown & guesses
+    assert key_hash("483920", "a5" * 16) not in shown
 
 
 # -- property: whatever the values, escaping them and extracting gives them back ------

@@ -156,7 +156,7 @@ def _retry_state(settings: Settings, state_arg: str, channel: str | None, dry_ru
         if dry_run:
             rows = store.rows_in_state(state, channel)
             if rows:
-                sys.stdout.write(render.state_table(rows))
+                sys.stdout.write(render.state_table(rows, store.key_hash_secret()))
             print(
                 f"would re-drive {len(rows)} {state} row(s) to queued (dry run: nothing changed)",
                 file=sys.stderr,

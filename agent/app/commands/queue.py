@@ -99,7 +99,8 @@ def cmd_list(settings: Settings, args: argparse.Namespace) -> int:
     where = RowFilter(state=state, channel=args.channel, since=since, control_id=args.control_id,
                       limit=args.limit, show_body=args.show_body)
     with open_store(settings, write=False) as store:
-        items = [render.list_item(r, show_body=args.show_body) for r in store.list_rows(where)]
+        secret = store.key_hash_secret()
+        items = [render.list_item(r, show_body=args.show_body, key_secret=secret) for r in store.list_rows(where)]
     if args.json:
         sys.stdout.write(json.dumps(items, indent=2) + "\n")
         return EXIT_OK

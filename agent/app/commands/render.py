@@ -244,15 +244,18 @@ def render_stats(data: dict[str, Any], lease_row: LeaseRow | None, now: float) -
 # -- queue list --------------------------------------------------------------------
 
 
-def list_item(row: ListedRow, *, show_body: bool) -> dict[str, Any]:
-    """One ``queue list --json`` entry (docs/queue-list.schema.json); ``error_text``, ``server_reason`` added."""
+def list_item(row: ListedRow, *, show_body: bool, key_secret: str) -> dict[str, Any]:
+    """One ``queue list --json`` entry (docs/queue-list.schema.json); ``error_text``, ``server_reason`` added.
+
+    ``key_secret``: the queue's (``store.key_hash_secret()``), for the partition key's hash.
+    """
     item: dict[str, Any] = {
         "id": row.id, "channel": row.channel, "seq": row.seq, "state": row.state,
         "control_id": row.control_id, "message_type": row.message_type, "attempts": row.attempts,
         "received_at": ts(row.received_at), "error_code": row.error_code, "remote": row.remote,
         "updated_at": ts(row.updated_at), "error_text": row.error_text,
         "server_reason": row.server_reason,
-        "partition": key_hash(row.partition_key) if row.partition_key is not None else None,
+        "partition": key_hash(row.partition_key, key_secret) if row.partition_key is not None else None,
     }  # fmt: skip
     if show_body:
         item["encoding"] = row.encoding
@@ -273,13 +276,13 @@ def render_list(items: list[dict[str, Any]], *, show_body: bool, width: int = DE
     return "".join(out)
 
 
-def state_table(rows: Iterable[ListedRow]) -> str:
+def state_table(rows: Iterable[ListedRow], key_secret: str) -> str:
     """``queue retry --state … --dry-run``: the rows that would move, in delivery order, ids whole.
 
     Not fitted to the terminal: it names exactly which rows a re-drive would
     move, so every id is shown in full.
     """
-    items = [list_item(r, show_body=False) for r in rows]
+    items = [list_item(r, show_body=False, key_secret=key_secret) for r in rows]
     return render_list(items, show_body=False, width=sys.maxsize)
 
 
