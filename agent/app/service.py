@@ -192,6 +192,7 @@ class Agent:
         assert self.reader is not None
         reader = self.reader
         names = [c.name for c in self.settings.channels]
+        partitioned = [c.name for c in self.settings.channels if c.partition_key]
 
         def recent_failures(limit: int) -> list[dict[str, Any]]:
             rows = reader.call_blocking(SqliteStore.recent_failures, limit)
@@ -210,7 +211,7 @@ class Agent:
             db_writable=self._db_writable,
             upstream_state=self._upstream_state,
             lease_held=lambda: bool(self.dispatcher is not None and self.dispatcher.lease_held),
-            stats=lambda: reader.call_blocking(SqliteStore.stats, names),
+            stats=lambda: reader.call_blocking(SqliteStore.stats, names, partitioned),
             recent_failures=recent_failures,
             loop_age=self.heartbeat.age,
             channel_activity=channel_activity,

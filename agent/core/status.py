@@ -201,8 +201,10 @@ def _channel(name: str, counts: Mapping[str, Any], activity: Mapping[str, Any] |
     if facts["blocked_partitions"] and depth:
         # A partitioned channel: blocked keys wait, the other keys go on.
         n = facts["blocked_partitions"]
-        return result(ChannelState.RETRYING,
-                      f"{n} partition{'s' if n != 1 else ''} blocked, the others go on — {_waiting(depth)}")
+        paused_only = all(b.get("why") == "paused" for b in counts.get("blocked_partitions") or ())
+        return result(ChannelState.PAUSED if paused_only else ChannelState.RETRYING,
+                      f"{n} partition{'s' if n != 1 else ''} {'paused' if paused_only else 'blocked'}, "
+                      f"the others go on — {_waiting(depth)}")
     if head and retrying:
         attempt = facts["attempt"]
         if facts["next_try_in_s"] is not None:
@@ -243,8 +245,9 @@ def _partition_details(blocked: Sequence[Mapping[str, Any]], facts: dict[str, An
         what = (f"retrying (attempt {b.get('attempts')}, next try in "
                 f"{human_duration(float(b.get('next_attempt_in_s') or 0))})"
                 if b.get("why") == "retrying" else f"paused ({b.get('paused_reason') or 'on_reject'})")
-        lines.append(f"partition {b.get('key_hash')} {what}: {rows} row{'s' if rows != 1 else ''} waiting, "
-                     f"head {b.get('head_id')}; the other partitions go on")
+        head = f", head {b.get('head_id')}" if b.get("head_id") else ""
+        lines.append(f"partition {b.get('key_hash')} {what}: {rows} row{'s' if rows != 1 else ''} waiting"
+                     f"{head}; the other partitions go on")
     if len(blocked) > PARTITIONS_SHOWN:
         lines.append(f"{len(blocked) - PARTITIONS_SHOWN} more partitions blocked: `hl7-agent queue stats`")
     return lines

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from agent.core.states import ALL, DEPTH, LIVE, Event
@@ -53,8 +53,14 @@ class OperatorQueries(PartitionQueries):
 
     # -- daemon-side reads -------------------------------------------------------
 
-    def stats(self, configured_channels: list[str] | None = None) -> dict[str, Any]:
-        """The ``queue stats --json`` object (docs/operations.md; docs/queue-stats.schema.json)."""
+    def stats(self, configured_channels: list[str] | None = None,
+              partitioned: Collection[str] | None = None) -> dict[str, Any]:
+        """The ``queue stats --json`` object (docs/operations.md; docs/queue-stats.schema.json).
+
+        ``partitioned``: the channels configured with ``partition_key`` (None:
+        all). A key paused while a channel was partitioned blocks nothing once
+        it is not, so it is not reported as blocked (an alert on it would be false).
+        """
         now = self.clock()
         by_state: dict[str, int] = dict.fromkeys(ALL, 0)
         for state, n in self._exec("count_by_state"):
@@ -76,6 +82,8 @@ class OperatorQueries(PartitionQueries):
             if live.oldest is not None:
                 entry["oldest_queued_age_s"] = round(max(0.0, now - float(live.oldest)), 3)
         for blocked in self.blocked_partitions(now):
+            if partitioned is not None and blocked.channel not in partitioned:
+                continue
             channel_entry(blocked.channel).setdefault("blocked_partitions", []).append(
                 blocked_entry(blocked, now, self.key_hash_secret()))
         row = self.lease_row()

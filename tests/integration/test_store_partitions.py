@@ -348,6 +348,26 @@ class TestBlockedPartitionViews:
         assert channel["state"] == "retrying"
         assert channel["text"] == "2 partitions blocked, the others go on — 4 waiting"
 
+    def test_a_key_paused_while_partitioned_is_not_reported_once_the_channel_is_strict(self, h: Harness) -> None:
+        """partition_key removed from the config: the leftover key pause blocks nothing, so stats
+        (and the metric and page built on them) must not report it, or an alert fires for nothing."""
+        self._blocked(h)
+        assert "blocked_partitions" not in h.store.stats(["adt"], partitioned=[])["channels"]["adt"]
+        assert len(h.store.stats(["adt"], partitioned=["adt"])["channels"]["adt"]["blocked_partitions"]) == 2
+
+    def test_status_page_says_paused_when_every_blocked_key_is_paused(self, h: Harness) -> None:
+        from agent.core.status import assess
+
+        h.tx(lambda s: s.pause_partition("adt", "MRN-EMPTY", "rejected row x (status 400)"))
+        intake(h, "C5", self.SECRET_A)
+        h.tx(lambda s: s.pause_partition("adt", self.SECRET_A, "rejected row y (status 400)"))
+        view = assess(stats=h.store.stats(["adt"]), activity=None, upstream=None, lease_held=True,
+                      listeners_up=True, now=h.clock())
+        (channel,) = [c for c in view["channels"] if c["name"] == "adt"]
+        assert channel["state"] == "paused"
+        assert channel["text"] == "2 partitions paused, the others go on — 1 waiting"
+        assert "None" not in " ".join(channel["detail"])  # the key with no rows names no head
+
     def test_queue_list_names_the_partition_by_hash(self, h: Harness) -> None:
         from agent.app.commands.render import list_item
         from agent.core.partition import key_hash

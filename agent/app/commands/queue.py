@@ -69,9 +69,10 @@ EXPORT_BATCH = 500
 def cmd_stats(settings: Settings, args: argparse.Namespace) -> int:
     """``queue stats [--json]``."""
     names = [c.name for c in settings.channels]
+    partitioned = [c.name for c in settings.channels if c.partition_key]
     with open_store(settings, write=False) as store:
         data = render.stats_document(
-            store.stats(names), configured=names, settled=store.settled_by_channel(),
+            store.stats(names, partitioned), configured=names, settled=store.settled_by_channel(),
             flags=store.channel_flags(), meta=store.meta(), now=store.clock(),
         )
         lease_row = store.lease_row()
