@@ -91,6 +91,11 @@ class PartitionQueries(DispatchQueries):
         """``on_reject = "pause"`` on a partitioned channel: this key waits until ``channel resume``."""
         self._exec("partition_pause", channel=channel, partition_key=key, now=self.clock(), reason=reason)
 
+    def row_partition(self, message_id: str) -> tuple[str | None, str | None]:
+        """A row's partition key (None: it has none) and, when that key is paused, the reason."""
+        found = self._fetch_one("row_partition", id=message_id)
+        return (None, None) if found is None else (found["partition_key"], found["paused_reason"])
+
     def blocked_partitions(self, now: float, limit: int = 100) -> list[BlockedPartition]:
         """Paused keys, then keys whose head waits for a retry (soonest first)."""
         found: list[BlockedPartition] = []

@@ -217,6 +217,13 @@ ON CONFLICT (channel, partition_key) DO UPDATE SET paused_at = excluded.paused_a
 -- name: partition_resume_all
 DELETE FROM partition_pauses WHERE channel = :channel
 
+-- name: row_partition
+-- queue show: a row's partition key and, when its key is paused, why.
+SELECT m.partition_key, p.reason AS paused_reason
+FROM messages AS m
+LEFT JOIN partition_pauses AS p ON p.channel = m.channel AND p.partition_key = m.partition_key
+WHERE m.id = :id
+
 -- name: partition_paused
 -- Paused keys with their head (NULL when the key has no live row left).
 SELECT p.channel, p.partition_key, p.paused_at, p.reason, m.id, m.seq, m.received_at, m.attempts,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -18,6 +19,7 @@ from agenttest import run_async as run
 from agenttest import until
 
 from agent.app.commands.channel import cmd_channel
+from agent.app.commands.queue import cmd_show
 from agent.app.devserver import Answer, default_answer
 from agent.core.partition import key_hash
 from agent.core.protocol import Transmit
@@ -198,6 +200,17 @@ class TestBlockedKeys:
                     assert rows(agent, "SELECT paused FROM channels WHERE channel = 'adt'") == [(0,)]
                     paused = rows(agent, "SELECT partition_key, reason FROM partition_pauses")
                     assert [p[0] for p in paused] == ["PAT0"] and "rejected row" in paused[0][1]
+                    # `queue show` on a row held behind the paused key says so, by the key's hash.
+                    held = rows(agent, "SELECT id FROM messages WHERE partition_key = 'PAT0' AND state = 'queued'"
+                                       " ORDER BY seq LIMIT 1")[0][0]
+                    secret = rows(agent, "SELECT value FROM meta WHERE key = 'key_hash_secret'")[0][0]
+                    show = argparse.Namespace(id=held, raw=False, json=True)
+                    capsys.readouterr()  # the log so far
+                    assert await asyncio.to_thread(cmd_show, s, show) == 0
+                    shown_text = capsys.readouterr().out
+                    shown = json.loads(shown_text)
+                    assert shown["partition"] == key_hash("PAT0", secret)
+                    assert "rejected row" in shown["partition_paused"] and "PAT0" not in shown_text
                     resume = argparse.Namespace(name="adt", channel_command="resume")
                     assert await asyncio.to_thread(cmd_channel, s, resume) == 0
                     assert "channel adt: resumed; 1 paused key resumed" in capsys.readouterr().out

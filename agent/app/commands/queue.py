@@ -39,6 +39,7 @@ from agent.app.commands.moves import RETRY_BATCH, cmd_fail, cmd_retry
 from agent.app.commands.render import Progress
 from agent.app.config import Settings, parse_duration
 from agent.core.mllp import encode_frame
+from agent.core.partition import key_hash
 from agent.core.states import LIVE, State
 from agent.core.timefmt import rfc3339
 from agent.errors import UsageError
@@ -126,6 +127,8 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
     with open_store(settings, write=False) as store:
         resolved = resolve_ids(store, [args.id])
         row = store.row(resolved.ids[0]) if resolved.ids else None
+        key, key_paused = store.row_partition(row.id) if row is not None else (None, None)
+        secret = store.key_hash_secret()
     if row is None:
         err(resolved.problems[0] if resolved.problems else f"no row with id {args.id}")
         return EXIT_FAILURE
@@ -143,6 +146,10 @@ def cmd_show(settings: Settings, args: argparse.Namespace) -> int:
             sys.stdout.buffer.flush()
         return EXIT_OK
     fields = render.show_fields(row)
+    if key is not None:
+        # By its hash (the key is patient data), and why it is not moving when its key is paused.
+        fields["partition"] = key_hash(key, secret)
+        fields["partition_paused"] = key_paused
     if args.json:
         sys.stdout.write(json.dumps(fields, indent=2) + "\n")
     else:
