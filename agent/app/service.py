@@ -297,6 +297,13 @@ class Agent:
                 if channel.ack == "application":
                     log.warning("application_ack_without_upstream", channel=channel.name,
                                 hint="senders get AR after application_ack_timeout until [server] url is set")
+        for channel in s.channels:
+            if channel.assign_sequence_numbers and channel.partition_key is not None:
+                # Allowed (max_in_flight = 1), but the keys still pass each other.
+                log.warning("sequence_numbers_across_partitions", channel=channel.name,
+                            hint="MSH-13 follows seq per channel, but a key that waits (retrying, paused) "
+                                 "lets later rows of other keys pass: the server may see MSH-13 out of order; "
+                                 "leave partition_key out for the HL7 sequence number protocol")
         self.tasks.append(asyncio.create_task(self._supervise(self._maintenance(), "maintenance")))
         self.tasks.append(asyncio.create_task(self._supervise(
             audit.log_operator_actions(self.writer, self.reader), "operator_actions")))

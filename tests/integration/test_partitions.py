@@ -250,3 +250,20 @@ class TestLogs:
         assert "transmit_retry_scheduled" in text
         assert "SECRET-MRN" not in text
         assert key_hash("SECRET-MRN-1", secret[0]) in text
+
+    def test_sequence_numbers_on_a_partitioned_channel_are_warned_about(
+            self, tmp_path: Path, capfd: object) -> None:
+        """assign_sequence_numbers with partition_key (max_in_flight = 1, so allowed): keys still pass
+        each other, so MSH-13 may reach the server out of order; the start says so."""
+        async def scenario() -> None:
+            async with dev_server() as server:
+                s = settings_for(tmp_path, url(server), [
+                    {"name": "adt", "partition_key": "PID-3.1", "assign_sequence_numbers": True},
+                    {"name": "lab", "assign_sequence_numbers": True}])
+                async with agent_running(s):
+                    pass
+
+        run(scenario())
+        out, err = capfd.readouterr()  # type: ignore[attr-defined]
+        warned = [line for line in (out + err).splitlines() if "sequence_numbers_across_partitions" in line]
+        assert len(warned) == 1 and "adt" in warned[0]
