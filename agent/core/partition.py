@@ -92,6 +92,9 @@ def parse_partition_key(spec: str) -> PartitionKey:
     paths: list[FieldPath] = []
     for raw in spec.split(","):
         item = raw.strip()
+        if not item and spec.strip():
+            raise ValueError(f"{spec!r} has an empty path between commas (or a comma at an end): "
+                             "separate paths by single commas, e.g. MSH-4,PID-3.1")
         match = _PATH.fullmatch(item)
         if match is None:
             raise ValueError(

@@ -295,6 +295,14 @@ class TestUnknownKeys:
         message = load_error(write(tmp_path, text))
         assert "channels[0].acks: is not a known key (did you mean ack?)" in message
 
+    def test_a_channel_error_names_the_channel_too(self, tmp_path: Path) -> None:
+        """By index and by name: with several channels, the name is what the operator looks for."""
+        text = ('[[channels]]\nname = "adt"\nlisten = "0.0.0.0:2575"\n'
+                '[[channels]]\nname = "lab"\nlisten = "0.0.0.0:2576"\npartition_key = "PID-3.1,"\n')
+        message = load_error(write(tmp_path, text))
+        assert "channels[1].partition_key: 'PID-3.1,' has an empty path" in message
+        assert "(channel lab)" in message
+
     def test_unknown_key_in_env_channels(self) -> None:
         """An unknown key inside HL7_AGENT_CHANNELS names that variable."""
         env = {"HL7_AGENT_CHANNELS": '[{"name": "a", "listen": "0.0.0.0:1", "colour": 1}]'}

@@ -100,6 +100,13 @@ def test_segment_id_must_match_whole() -> None:
     assert parse_partition_key("PID-3").of(msg) == "RIGHT"
 
 
+@pytest.mark.parametrize("spec", ["PID-3.1,", ",PID-3", "MSH-4,,PID-3.1", "PID-3, ,MSH-4"])
+def test_an_empty_path_between_commas_is_refused_with_what_was_written(spec: str) -> None:
+    with pytest.raises(ValueError, match="empty path") as caught:
+        parse_partition_key(spec)
+    assert repr(spec) in str(caught.value)
+
+
 @pytest.mark.parametrize(
     "spec",
     ["", "PID", "PID-0", "pid-3", "PID-3.", "PID-3..1", "PID-3[0]", "PID-3.0", "PID3.1", "MSH-2.1",

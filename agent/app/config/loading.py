@@ -30,7 +30,13 @@ from pydantic_settings.sources import ConfigFileSourceType
 from pydantic_settings.sources.utils import parse_env_vars
 
 import agent.app.config
-from agent.app.config.models import _SECTION_MODELS, _SECTIONS, ChannelSettings, Settings
+from agent.app.config.models import (
+    _SECTION_MODELS,
+    _SECTIONS,
+    ChannelSettings,
+    Settings,
+    channel_name,
+)
 from agent.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/hl7-agent/agent.toml")
@@ -299,11 +305,13 @@ def _validate(
     parts: dict[str, Any] = {}
     for key, value in data.items():
         prefix: tuple[int | str, ...] = (key,)
+        channel: str | None = None
         try:
             if key == "channels" and isinstance(value, list):
                 channels = []
                 for index, item in enumerate(value):
                     prefix = (key, index)
+                    channel = channel_name(item)
                     channels.append(ChannelSettings.model_validate(item, context=context))
                 parts[key] = channels
             elif key in _SECTIONS:
@@ -317,7 +325,7 @@ def _validate(
                 origin = f" (file {path})" if path is not None else ""
                 raise ConfigError(f"config error: {key}: is not a known section{hint}{origin}")
         except ValidationError as exc:
-            raise ConfigError(_describe(exc, path, sources, prefix)) from None
+            raise ConfigError(_describe(exc, path, sources, prefix, channel)) from None
     try:
         return Settings(**parts)
     except ValidationError as exc:
@@ -355,8 +363,9 @@ def _describe(
     path: Path | None,
     sources: dict[str, str],
     prefix: tuple[int | str, ...] = (),
+    channel: str | None = None,
 ) -> str:
-    """One line for the first error: key, problem, fix, origin."""
+    """One line for the first error: key, problem, fix, origin (and the channel's name, when it has one)."""
     errors = exc.errors(include_url=False)
     first = errors[0]
     loc = prefix + tuple(first["loc"])
@@ -382,6 +391,8 @@ def _describe(
         line = f"config error: {message}"
     else:
         line = f"config error: {dotted}: {message}"
+    if channel is not None:
+        line += f" (channel {channel})"
     origin = _origin(dotted, sources, path)
     more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
     return line + origin + more

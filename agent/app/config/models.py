@@ -214,6 +214,17 @@ class AdminSettings(_Section):
 
 #: Keys that tune the SQLite file and mean nothing on a database server: refused with
 #: backend = "postgresql" rather than silently ignored.
+#: What a channel's ``name`` may be (it names metrics labels, log fields and CLI arguments).
+CHANNEL_NAME = re.compile(r"[a-z0-9_-]+")
+
+
+
+def channel_name(item: object) -> str | None:
+    """A raw channel table's ``name``, when it is a valid one: errors name the channel by it, not by position."""
+    name = item.get("name") if isinstance(item, dict) else None
+    return name if isinstance(name, str) and CHANNEL_NAME.fullmatch(name) else None
+
+
 SQLITE_ONLY_KEYS = ("synchronous", "max_db_bytes", "min_free_disk_bytes", "checkpoint_interval")
 
 
@@ -376,7 +387,7 @@ class ChannelSettings(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not re.fullmatch(r"[a-z0-9_-]+", value):
+        if not CHANNEL_NAME.fullmatch(value):
             raise ValueError(f"{value!r} must match [a-z0-9_-]+")
         return value
 
