@@ -211,13 +211,13 @@ class Dispatcher:
         self._link_task = asyncio.create_task(link.run(), name="upstream-link")
         return link
 
-    async def _close_link(self) -> None:
-        """Close the upstream session (if any) and wait until it is gone; idempotent."""
+    async def _close_link(self, within: float | None = None) -> None:
+        """Close the upstream session (if any; dropped after ``within`` s) and wait until it is gone; idempotent."""
         async with self._link_lock:
             link, task = self.link, self._link_task
             self._link_task = None
             if link is not None:
-                await link.close()
+                await link.close(within)
             if task is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
@@ -391,7 +391,7 @@ class Dispatcher:
             self.log.warning("inflight_unanswered_at_stop", rows=len(self._ctx.sending))
         # Unanswered transmits now fail with SessionClosed and their workers
         # recover the rows (docs/queue.md#recovery); then run() releases the lease.
-        await self._close_link()
+        await self._close_link(within=max(0.1, deadline - time.monotonic()))
         if not (force and force.is_set()):
             await wait_event(self._tenure_over, max(0.1, deadline - time.monotonic()))
         epoch = self.epoch

@@ -69,6 +69,12 @@ log = structlog.get_logger(__name__)
 
 #: A session that lived this long counts as healthy: the reconnect backoff starts over.
 STABLE_SESSION_SECONDS = 30.0
+#: How long a closing handshake waits for the server's Close frame (websockets'
+#: default is 10 s), ours at shutdown and the one after a keepalive ping went
+#: unanswered: a server that froze must hold neither a stop past its budget nor
+#: a dead session on the status page as "connected" (RFC 6455 7.1.1 lets the
+#: client drop the TCP connection once it waited a reasonable time).
+CLOSE_TIMEOUT = 2.0
 
 _T = TypeVar("_T")
 
@@ -227,14 +233,26 @@ class UpstreamLink:
             self._running = False
             self._done.set()
 
-    async def close(self) -> None:
-        """Close the connection and stop run(); waits for run() to return."""
+    async def close(self, within: float | None = None) -> None:
+        """Close the connection and stop run(); waits for run() to return.
+
+        ``within``: seconds, after which the connection is dropped without
+        waiting any longer (a server that froze must not hold a stop past its budget).
+        """
         self._stop.set()
         current = self._current
-        if current is not None and not current.closed:
-            await current.close(1001, "agent shutting down")
-        if self._running:
-            await self._done.wait()
+        try:
+            async with asyncio.timeout(within):
+                if current is not None and not current.closed:
+                    await current.close(1001, "agent shutting down")
+                if self._running:
+                    await self._done.wait()
+        except TimeoutError:
+            self._log.warning("upstream_close_abandoned", after_s=within)
+            if current is not None:
+                current.abort()
+            if self._running:
+                await self._done.wait()
 
     # -- internals -------------------------------------------------------------
 
@@ -312,6 +330,7 @@ class UpstreamLink:
                 open_timeout=s.connect_timeout,
                 ping_interval=s.ping_interval,
                 ping_timeout=s.ping_timeout,
+                close_timeout=CLOSE_TIMEOUT,
                 max_size=s.max_frame_bytes,
                 compression=None,
                 ssl=_ssl_context(s),
