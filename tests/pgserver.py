@@ -20,6 +20,7 @@ import itertools
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -72,6 +73,14 @@ def _server_user() -> pwd.struct_passwd | None:
         with contextlib.suppress(KeyError):
             return pwd.getpwnam(name)
     raise RuntimeError("running as root and no unprivileged user (postgres, nobody) to run PostgreSQL as")
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(")") + 2:].split()[1])
 
 
 class PostgresServer:
@@ -205,6 +214,22 @@ class PostgresServer:
             if time.monotonic() > deadline:
                 raise AssertionError(f"PostgreSQL not accepting after {timeout}s: {result.stdout}")
             time.sleep(0.1)
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """The server and every backend stopped with SIGSTOP for the block (a frozen host or VM),
+        its TCP connections kept; SIGCONT after. The kernel still accepts and acknowledges."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        pids = [postmaster] + [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                               and _parent_of(int(p.name)) == postmaster]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
 
     @contextlib.contextmanager
     def stopped(self) -> Iterator[None]:

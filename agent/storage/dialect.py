@@ -128,6 +128,7 @@ class Dialect(Protocol):
 
     # -- connections -------------------------------------------------------------
     def connection_usable(self, conn: Any) -> bool: ...  # noqa: ANN401
+    def guarded(self, conn: Any) -> AbstractContextManager[None]: ...  # noqa: ANN401 - a read under a deadline
     def reconnect(self, conn: Any) -> Any: ...  # noqa: ANN401
 
     # -- clock, values, errors, stats --------------------------------------------

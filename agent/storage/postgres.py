@@ -24,6 +24,11 @@ dedupe, seq, the fenced transitions, stats — is the same store code
   ``application_name`` (``pg_stat_activity`` shows which agent process it is).
 - **The lease runs on the database's clock** (``clock_timestamp()``), so the
   hosts' clocks need not agree.
+- **A server that froze is noticed too:** one that keeps the TCP connection
+  but answers nothing (SIGSTOP, a paused VM) fires none of the server-side
+  timeouts, so each write transaction and each read of the daemon runs under
+  a client-side deadline (agent/storage/call_guard.py) that drops the
+  connection: then as a lost one.
 - **A lost connection is opened again** before the next transaction, spaced
   out with backoff while the server is away; until then every write fails at
   once (intake answers "resend later", ``/readyz`` is not ready). A database
@@ -31,7 +36,7 @@ dedupe, seq, the fenced transitions, stats — is the same store code
   starts without it, and the writer's first connection migrates
   (:meth:`PostgresDialect.open_later`).
 
-One module of about 470 lines: the dialect's session settings, its error
+One module of about 500 lines: the dialect's session settings, its error
 mapping, reconnecting and the migration lock all act on the same
 connection, and split apart each would need the others' internals.
 """
@@ -41,6 +46,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +60,7 @@ from psycopg.rows import dict_row
 from agent.core.retry import backoff
 from agent.errors import DatabaseLocked, DatabaseUnavailable, IncompatibleDatabase, StorageError
 from agent.storage import schema
+from agent.storage.call_guard import CallGuard
 from agent.storage.conninfo import mask_dsn
 from agent.storage.dialect import Failure, TransactionBlocks
 from agent.storage.sql import POSTGRESQL, load_migrations, load_queries
@@ -98,6 +105,10 @@ CONNECTION_DEFAULTS = {
     "keepalives_count": "3",
     "tcp_user_timeout": "15000",
 }
+#: A write transaction may wait busy_timeout for the write lock; this much more and the
+#: server is taken for frozen (agent/storage/call_guard.py). A read gets READ_DEADLINE.
+WRITE_DEADLINE_SLACK = 5.0
+READ_DEADLINE = 10.0
 #: synchronous_commit values at least as strong as "on" (the others are weaker).
 _DURABLE = frozenset({"on", "remote_apply"})
 #: Reconnection after a lost connection: at once, then spaced out up to the cap (so writes
@@ -159,6 +170,7 @@ class PostgresDialect(TransactionBlocks):
         self._last_error = ""
         #: The agent id to migrate the schema for on the next connection (open_later), else None.
         self._migrate_for: str | None = None
+        self.guard = CallGuard(role, on_trip=self._unresponsive)
 
     # -- connections -----------------------------------------------------------
 
@@ -268,8 +280,30 @@ class PostgresDialect(TransactionBlocks):
 
     # -- transactions ----------------------------------------------------------
 
+    def _unresponsive(self, seconds: float) -> None:
+        """The guard dropped the connection: the next attempt after the backoff, not at once.
+
+        A frozen server takes each new connection too and answers nothing
+        until ``connect_timeout``: meanwhile every write fails at once.
+        """
+        self._drop = True
+        self._last_error = f"the server did not answer within {seconds:g}s"
+        self._retry_at = time.monotonic() + next(self._delays)
+
+    def guarded(self, conn: PgConnection | None) -> AbstractContextManager[None]:
+        """A read on ``conn`` under READ_DEADLINE (a frozen server: see the module docstring)."""
+        if not self.connection_usable(conn):
+            return nullcontext()
+        assert conn is not None
+        return self.guard.around(conn.pgconn.socket, READ_DEADLINE)
+
     def begin_write(self, conn: PgConnection) -> None:
-        """BEGIN and the agent's write lock, in one round trip (see the module docstring)."""
+        """BEGIN and the agent's write lock, in one round trip (see the module docstring).
+
+        The transaction runs under a deadline until COMMIT or ROLLBACK
+        returns: ``busy_timeout`` for the lock, WRITE_DEADLINE_SLACK more.
+        """
+        self.guard.arm(conn.pgconn.socket, self.options.busy_timeout + WRITE_DEADLINE_SLACK)
         try:
             conn.execute(f"BEGIN; SELECT pg_advisory_xact_lock({LOCK_CLASS}, {WRITE_LOCK})")
         except BaseException:
@@ -288,7 +322,10 @@ class PostgresDialect(TransactionBlocks):
         if conn.info.transaction_status == pq.TransactionStatus.INERROR:
             self.rollback(conn)
             raise psycopg.errors.InFailedSqlTransaction("the transaction had failed; it was rolled back")
-        cur = conn.execute("COMMIT")
+        try:
+            cur = conn.execute("COMMIT")
+        finally:
+            self.guard.disarm()
         if cur.statusmessage != "COMMIT":
             raise psycopg.errors.InFailedSqlTransaction(f"COMMIT answered {cur.statusmessage}")
         self._commits += 1
@@ -300,6 +337,8 @@ class PostgresDialect(TransactionBlocks):
                 conn.execute("ROLLBACK")
         except psycopg.Error:
             pass
+        finally:
+            self.guard.disarm()
 
     def savepoint(self, conn: PgConnection, name: str) -> None:
         conn.execute(f"SAVEPOINT {name}")
@@ -358,6 +397,8 @@ class PostgresDialect(TransactionBlocks):
             found = _SQLSTATE_FAILURES.get(state, Failure.OTHER)
         if found in (Failure.CONNECTION_LOST, Failure.READ_ONLY):
             self._drop = True
+            if found is Failure.CONNECTION_LOST:
+                self.guard.disarm()  # nothing more waits on that connection
         return found
 
     def is_locked(self, exc: BaseException) -> bool:

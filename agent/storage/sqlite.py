@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sqlite3
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,10 @@ class SqliteDialect(TransactionBlocks):
     def connection_usable(self, conn: sqlite3.Connection) -> bool:
         """A file connection is never lost for good: each statement reports its own error."""
         return True
+
+    def guarded(self, conn: sqlite3.Connection) -> AbstractContextManager[None]:
+        """No deadline: a local file cannot freeze the way a server can (busy_timeout bounds locks)."""
+        return nullcontext()
 
     def reconnect(self, conn: sqlite3.Connection) -> sqlite3.Connection:
         return conn

@@ -587,8 +587,9 @@ class Reader:
         store = self.store
         with self._lock:
             try:
-                store.connection()  # a connection lost since the last read is opened again
-                return method(store, *args, **kwargs)
+                conn = store.connection()  # a connection lost since the last read is opened again
+                with store.dialect.guarded(conn):  # a server that froze fails the read, not hangs it
+                    return method(store, *args, **kwargs)
             except store.dialect.Error as exc:
                 raise store.dialect.storage_error(exc) from exc
 

@@ -163,6 +163,38 @@ class TestDatabaseFaults:
         run(scenario(), timeout=90)
 
 
+    def test_a_frozen_database_means_resend_later_not_silence(
+        self, tmp_path: Path, pg_database: PgDatabase, pg_server: Any
+    ) -> None:
+        """The server and its backends stopped (SIGSTOP): TCP stays up and no server-side timeout
+        fires. A sender must still get AR/CE 207 within moments, and /readyz fail; after SIGCONT
+        the agent resumes by itself."""
+        admin_port = free_port()
+
+        async def scenario() -> float:
+            async with dev_server() as server:
+                settings = settings_for(tmp_path, pg_database, server.port, admin_port=admin_port)
+                settings.queue.busy_timeout = 1.0  # the write deadline is this + 5 s
+                async with agent_on(settings) as agent:
+                    assert ack_code(await send(agent, "B1")) == "AA"
+                    with pg_server.frozen():
+                        sent = time.monotonic()
+                        down = await send(agent, "D1")
+                        answered_after = time.monotonic() - sent
+                        assert (ack_code(down), err3(down)) == ("AR", "207")
+                        assert await ready(admin_port) == 503
+                    back = time.monotonic()
+                    while ack_code(await send(agent, "A1")) != "AA":
+                        assert time.monotonic() - back < 30, "no accept within 30 s of the server's return"
+                        await asyncio.sleep(0.1)
+                    await until(lambda: delivered(server) == ["B1", "A1"], 30, "A1 delivered")
+                    return answered_after
+
+        answered_after = run(scenario(), timeout=120)
+        # The write deadline (6 s), then at most one connection attempt (connect_timeout 5 s).
+        assert answered_after < 14, f"the sender waited {answered_after:.1f}s for its AR"
+        print(f"database frozen: AR after {answered_after:.2f}s")
+
     def test_a_database_away_at_start_is_waited_out(
         self, tmp_path: Path, pg_database: PgDatabase, pg_server: Any
     ) -> None:
