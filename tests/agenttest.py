@@ -350,23 +350,23 @@ def make_test_pki(directory: Path) -> Path:
     return directory
 
 
-def run_with_agent(tmp_path: Path, channel: Any, scenario: Callable[[int], Any]) -> None:
-    """Run the daemon in-process on port 0 with one channel, await ``scenario(port)``, stop it."""
+def run_with_agent(tmp_path: Path, channel: Any, scenario: Callable[[int], Any]) -> Any:  # noqa: ANN401
+    """Run the daemon in-process on port 0 with one channel, await ``scenario(port)``, stop it: its result."""
     from agent.app.config import AdminSettings, AgentSettings, Settings
     from agent.app.service import Agent
 
-    async def main() -> None:
+    async def main() -> Any:  # noqa: ANN401 - the scenario's
         settings = Settings(agent=AgentSettings(id="inproc", data_dir=tmp_path / "data"),
                             admin=AdminSettings(listen=None), channels=[channel])
         agent = Agent(settings)
         await agent.start()
         try:
-            await scenario(agent.listeners[0].sock.getsockname()[1])
+            return await scenario(agent.listeners[0].sock.getsockname()[1])
         finally:
             agent.stop_requested.set()
             await agent.shutdown()
 
-    asyncio.run(main())
+    return asyncio.run(main())
 
 
 async def exchange(port: int, message: bytes, *, tls: Any = None, raw: bool = False) -> bytes:

@@ -26,7 +26,7 @@ from agent.core.intake_types import NOTHING_OWED, ChannelPolicy, Owed
 from agent.runtime.mllp_connection import Connection, ConnectionSet, source_address
 from agent.runtime.relay import AckRelay
 from agent.runtime.sockets import guard_listener
-from agent.runtime.tls import HandshakeFailures, TlsAccept
+from agent.runtime.tls import CrowdedOut, HandshakeFailures, TlsAccept, handshake_timeout
 from agent.storage.writer import Writer
 
 if TYPE_CHECKING:
@@ -101,8 +101,9 @@ class ChannelListener(ConnectionSet):
         self._ssl = build_server_ssl(channel)
         self.log = log.bind(channel=channel.name)
         self._handshake_failures = HandshakeFailures(self.log)
-        #: TLS handshakes under way, and their raw transports (closed with the connections).
-        self._handshakes: dict[asyncio.Task[None], asyncio.Transport] = {}
+        #: TLS handshakes under way, oldest first: their raw transports (closed with the
+        #: connections) and peers.
+        self._handshakes: dict[asyncio.Task[None], tuple[asyncio.Transport, Any]] = {}
 
     async def start(self) -> None:
         # The listener may be shared with other processes (systemd, a
@@ -123,21 +124,45 @@ class ChannelListener(ConnectionSet):
 
     def _tls_protocol(self) -> TlsAccept:
         assert self._ssl is not None
-        return TlsAccept(self, self._ssl)
+        return TlsAccept(self, self._ssl, timeout=handshake_timeout(self.channel.frame_timeout))
 
-    def handshake_started(self, task: asyncio.Task[None], transport: asyncio.Transport) -> None:
-        self._handshakes[task] = transport
-        task.add_done_callback(self._handshakes.pop)
+    def handshake_started(self, task: asyncio.Task[None], transport: asyncio.Transport, peer: Any) -> None:
+        """Track a handshake; first make room as admission does for connections.
+
+        Handshakes under way are bounded by ``max_connections_per_source``
+        per source and ``max_connections`` per channel: at the bound, the
+        oldest unfinished one (of that source, else of the channel) is
+        closed. It is owed nothing; a sender that is merely slow retries, and
+        a source opening connections it never uses only crowds out its own.
+        """
+        source = source_address(peer)
+        per_source = min(self.channel.max_connections_per_source, self.channel.max_connections)
+        while len(mine := [t for t, (_, p) in self._handshakes.items() if source_address(p) == source]) >= per_source:
+            self._crowd_out(mine[0])
+        while len(self._handshakes) >= self.channel.max_connections:
+            self._crowd_out(next(iter(self._handshakes)))
+        self._handshakes[task] = (transport, peer)
+        task.add_done_callback(self._handshake_done)
+
+    def _handshake_done(self, task: asyncio.Task[None]) -> None:
+        self._handshakes.pop(task, None)
+
+    def _crowd_out(self, task: asyncio.Task[None]) -> None:
+        transport, peer = self._handshakes.pop(task)
+        task.cancel()
+        transport.abort()
+        self.tls_failed(peer, CrowdedOut())
 
     def _drop_handshakes(self) -> None:
         """A connection still in its TLS handshake has been owed nothing yet: close it."""
-        for task, transport in list(self._handshakes.items()):
+        for task, (transport, _) in list(self._handshakes.items()):
             task.cancel()
             transport.abort()
 
     def tls_failed(self, peer: Any, exc: BaseException) -> None:
         """A TLS handshake failed: logged (rate-limited per source) and counted."""
-        self._handshake_failures.failed(source_address(peer), format_peer(peer), exc)
+        self._handshake_failures.failed(source_address(peer), format_peer(peer), exc,
+                                        handshake_timeout(self.channel.frame_timeout))
         self._count_refusal("tls_handshake")
 
     @property

@@ -12,6 +12,14 @@ Failures are logged as ``tls_handshake_failed`` once per source address per
 minute, with the number of failures not logged since (``not_logged``): a
 sender retrying every second must not fill the log. Nothing of what the
 peer sent is logged, only the TLS library's reason.
+
+A handshake is admission's too: it must finish within
+:func:`handshake_timeout` (``frame_timeout`` at most: a connection that sends
+nothing is slowloris before its first byte of MLLP as after), and handshakes
+under way are bounded like connections (``ChannelListener.handshake_started``:
+a newcomer crowds out the oldest unfinished one of its source, or of the
+channel), so connections that never finish one cannot hold a channel or the
+process's file descriptors.
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ from agent.runtime.mllp_connection import Connection
 if TYPE_CHECKING:
     from agent.runtime.mllp_server import ChannelListener
 
-#: Seconds a sender has to complete the handshake once connected (asyncio's own default).
-HANDSHAKE_TIMEOUT = 60.0
+#: Seconds a sender has at most to complete the handshake once connected (one
+#: takes milliseconds; asyncio's default, 60 s, let idle sockets pile up).
+HANDSHAKE_TIMEOUT = 10.0
 #: A source's failures are logged at most once per this many seconds.
 FAILURE_LOG_INTERVAL = 60.0
 #: Sources remembered for the rate limit; a scan of many addresses is forgotten, not hoarded.
@@ -39,8 +48,20 @@ _NOT_TLS = frozenset({"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "UNKNOWN_PROTOCOL"
                       "UNEXPECTED_RECORD", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"})
 
 
+class CrowdedOut(Exception):
+    """A handshake not finished when newer connections needed its place."""
+
+
+def handshake_timeout(frame_timeout: float) -> float:
+    """The time a channel's senders get for the handshake: HANDSHAKE_TIMEOUT, never above ``frame_timeout``."""
+    return min(HANDSHAKE_TIMEOUT, frame_timeout)
+
+
 def failure_reason(exc: BaseException, timeout: float = HANDSHAKE_TIMEOUT) -> str:
     """A short, body-free description of why a handshake failed, for operators."""
+    if isinstance(exc, CrowdedOut):
+        return ("handshake not finished when newer connections needed its place "
+                "(max_connections_per_source, max_connections)")
     if isinstance(exc, ssl.SSLCertVerificationError):
         return f"certificate verify failed: {exc.verify_message}"
     if isinstance(exc, ssl.SSLError):
@@ -70,7 +91,7 @@ class HandshakeFailures:
         #: source -> (when its failure was last logged, failures since then not logged)
         self._seen: dict[str, tuple[float, int]] = {}
 
-    def failed(self, source: str, peer: str, exc: BaseException) -> bool:
+    def failed(self, source: str, peer: str, exc: BaseException, timeout: float = HANDSHAKE_TIMEOUT) -> bool:
         """Record one failure; True when it was logged (the first of its source this interval)."""
         now = self._clock()
         last = self._seen.get(source)
@@ -82,7 +103,7 @@ class HandshakeFailures:
             if len(self._seen) >= MAX_SOURCES:
                 self._seen.clear()  # memory first; at worst a few more log lines
         self._seen[source] = (now, 0)
-        self._log.warning("tls_handshake_failed", peer=peer, reason=failure_reason(exc),
+        self._log.warning("tls_handshake_failed", peer=peer, reason=failure_reason(exc, timeout),
                           not_logged=last[1] if last else 0)
         return True
 
@@ -111,7 +132,7 @@ class TlsAccept(asyncio.Protocol):
             transport.close()
             return
         task = asyncio.get_running_loop().create_task(self._handshake(transport, peer))
-        self._listener.handshake_started(task, transport)
+        self._listener.handshake_started(task, transport, peer)
 
     async def _handshake(self, transport: asyncio.Transport, peer: Any) -> None:
         early = _Early()

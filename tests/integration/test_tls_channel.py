@@ -160,6 +160,38 @@ class TestHandshakeFailuresLogged:
         assert not log_events(logs, "tls_handshake_failed")
 
 
+class TestHandshakeAdmission:
+    def test_connections_that_never_finish_a_handshake_cannot_hold_the_channel(
+            self, tmp_path: Path, pki: Path) -> None:
+        """20 connections from one source that never send a ClientHello (max_connections 4, 2 per
+        source): all but two are crowded out at once, those two closed at frame_timeout, and a
+        sender from another address is served meanwhile. Before: all 20 held for 60 s."""
+        channel = tls_channel(pki).model_copy(update={
+            "max_connections": 4, "max_connections_per_source": 2, "frame_timeout": 3.0})
+        with capture_logs() as logs:
+
+            async def scenario(port: int) -> float:
+                silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(20)]
+                started = asyncio.get_running_loop().time()
+                context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+                reader, writer = await asyncio.open_connection(
+                    "127.0.0.1", port, ssl=context, local_addr=("127.0.0.2", 0))
+                writer.write(b"\x0b" + hl7_message("OTHER") + b"\x1c\r")
+                async with asyncio.timeout(10):
+                    assert b"MSA|AA|OTHER" in await reader.readuntil(b"\x1c\r")
+                writer.close()
+                async with asyncio.timeout(3.0 + 5):  # frame_timeout, and slack for a loaded machine
+                    for silent_reader, silent_writer in silent:
+                        assert await silent_reader.read(100) == b""
+                        silent_writer.close()
+                return asyncio.get_running_loop().time() - started
+
+            took = run_with_agent(tmp_path, channel, scenario)
+        assert took >= 2.5, "the last two should have had their frame_timeout"
+        crowded = [e for e in log_events(logs, "tls_handshake_failed") if "needed its place" in e["reason"]]
+        assert crowded and crowded[0]["peer"].startswith("127.0.0.1:")
+
+
 class _Log:
     def __init__(self) -> None:
         self.lines: list[dict[str, Any]] = []
