@@ -128,14 +128,15 @@ def tls_problem(settings: Any) -> tuple[str, str] | None:  # noqa: ANN401 - Sett
         key = "tls_cert" if channel.tls_cert is not None else "tls_server_ca"  # a listener without it has no TLS
         try:
             build(channel)
-        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError; TlsFileError names its key
+            key = getattr(exc, "key", key)
             return (f"channels[{index}].{key}",
                     f"channels[{index}].{key}: cannot load the TLS files of channel {channel.name!r}: {exc}")
     server = settings.server
     try:
         upstream_ssl_context(server.url, server.ca_file, server.client_cert, server.client_key)
     except (OSError, ValueError) as exc:
-        key = "client_cert" if server.client_cert is not None else "ca_file"
+        key = getattr(exc, "key", "client_cert" if server.client_cert is not None else "ca_file")
         return f"server.{key}", f"server.{key}: cannot load the TLS files for {safe_url(server.url or '')}: {exc}"
     return None
 

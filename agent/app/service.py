@@ -101,8 +101,8 @@ class Agent:
             raise StartupError(problem.message(), key="agent.data_dir", path=str(problem.path),
                                error=problem.error)
         tls = tls_problem(s)
-        if tls is not None:  # found now, not at every connect to come
-            raise StartupError(tls[1], key=tls[0], error=tls[1])
+        if tls is not None:  # found now, not at every connect to come; a configuration error (exit 2)
+            raise ConfigError(f"config error: {tls[1]}")
         # SQLite's file in data_dir, or the PostgreSQL database of queue.dsn.
         try:
             writer_store, reader_store = open_stores(s.db_path, s.queue, s.agent.id, time.time())

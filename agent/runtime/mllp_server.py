@@ -27,6 +27,7 @@ from agent.runtime.mllp_connection import Connection, ConnectionSet, source_addr
 from agent.runtime.relay import AckRelay
 from agent.runtime.sockets import guard_listener
 from agent.runtime.tls import CrowdedOut, HandshakeFailures, TlsAccept, handshake_timeout
+from agent.runtime.tls_files import load_ca, load_pair
 from agent.storage.writer import Writer
 
 if TYPE_CHECKING:
@@ -78,9 +79,9 @@ def build_server_ssl(channel: ChannelSettings) -> ssl.SSLContext | None:
         return None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(str(channel.tls_cert), str(channel.tls_key) if channel.tls_key else None)
+    load_pair(ctx, channel.tls_cert, channel.tls_key)
     if channel.tls_client_ca is not None:
-        ctx.load_verify_locations(cafile=str(channel.tls_client_ca))
+        load_ca(ctx, channel.tls_client_ca, setting="tls_client_ca")
         ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
 

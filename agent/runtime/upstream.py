@@ -63,6 +63,7 @@ from agent.core.session import (
 )
 from agent.errors import ProtocolError
 from agent.runtime.aio import unless, wait_event
+from agent.runtime.tls_files import load_ca, load_pair
 from agent.runtime.upstream_session import LeaseExpired, Session
 
 log = structlog.get_logger(__name__)
@@ -128,9 +129,15 @@ def upstream_ssl_context(url: str | None, ca_file: str | Path | None, client_cer
     """TLS for wss:// from ca_file / client_cert / client_key; None for ws:// (or no URL)."""
     if url is None or urlsplit(url).scheme.lower() != "wss":
         return None
-    context = ssl.create_default_context(cafile=None if ca_file is None else str(ca_file))
+    if ca_file is None:
+        context = ssl.create_default_context()  # the system's trust store
+    else:
+        # Only this bundle is trusted, as with create_default_context(cafile=...),
+        # which has the same settings (verification, host names, TLS 1.2+).
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        load_ca(context, ca_file, setting="ca_file")
     if client_cert:
-        context.load_cert_chain(str(client_cert), None if client_key is None else str(client_key))
+        load_pair(context, client_cert, client_key, cert_key="client_cert", key_key="client_key")
     return context
 
 

@@ -237,19 +237,37 @@ class TestTlsFilesLoadBeforeStart:
                   f'tls_cert = "{pki / "server.pem"}"\ntls_key = "{pki / "client.key"}"\n')
         code, err = self._cli(tmp_path, config, "check-config")
         assert code == 2, err
-        assert "channels[0].tls_cert: cannot load the TLS files of channel 'adt'" in err
+        assert "channels[0].tls_key: cannot load the TLS files of channel 'adt'" in err
+        assert f"the private key {pki / 'client.key'} does not belong to the certificate" in err
         assert "Traceback" not in err
 
+    def test_a_key_that_needs_a_passphrase_is_refused_without_prompting(self, tmp_path: Path, pki: Path) -> None:
+        """A daemon cannot type a passphrase: one line naming tls_key and the fix, never a prompt
+        (on a terminal OpenSSL would ask and block; here stdin is closed, and a prompt would fail
+        with another message)."""
+        encrypted = tmp_path / "encrypted.key"
+        subprocess.run(["openssl", "pkey", "-in", str(pki / "server.key"), "-aes256", "-passout", "pass:x",
+                        "-out", str(encrypted)], check=True, capture_output=True, timeout=30)
+        config = (f'[agent]\ndata_dir = "{tmp_path / "data"}"\n[admin]\nlisten = ""\n'
+                  f'[[channels]]\nname = "adt"\nlisten = "127.0.0.1:{free_port()}"\n'
+                  f'tls_cert = "{pki / "server.pem"}"\ntls_key = "{encrypted}"\n')
+        for command in ("check-config", "run"):
+            code, err = self._cli(tmp_path, config, command)
+            assert code == 2, err
+            assert f"channels[0].tls_key: cannot load the TLS files of channel 'adt': the private key {encrypted} " \
+                   "is encrypted with a passphrase" in err, err
+
     def test_upstream_client_files_that_do_not_load(self, tmp_path: Path, pki: Path) -> None:
-        """check-config exits 2; run exits 1 at start, rather than starting and failing every connect."""
+        """check-config and run exit 2 (a configuration error), run before it starts, rather than
+        starting and failing every connect; the message names the file at fault."""
         config = (f'[agent]\ndata_dir = "{tmp_path / "data"}"\n[admin]\nlisten = ""\n'
                   f'[server]\nurl = "wss://127.0.0.1:9/agent"\n'
                   f'client_cert = "{pki / "client.pem"}"\nclient_key = "{pki / "server.key"}"\n'
                   f'[[channels]]\nname = "adt"\nlisten = "127.0.0.1:{free_port()}"\n')
         code, err = self._cli(tmp_path, config, "check-config")
-        assert code == 2 and "server.client_cert: cannot load the TLS files" in err, err
+        assert code == 2 and "server.client_key: cannot load the TLS files" in err, err
         code, err = self._cli(tmp_path, config, "run")
-        assert code == 1 and "server.client_cert: cannot load the TLS files" in err, err
+        assert code == 2 and "server.client_key: cannot load the TLS files" in err, err
         ca_is_a_key = config.replace(f'client_cert = "{pki / "client.pem"}"\nclient_key = "{pki / "server.key"}"\n',
                                      f'ca_file = "{pki / "ca.key"}"\n')
         code, err = self._cli(tmp_path, ca_is_a_key, "check-config")

@@ -289,7 +289,8 @@ def _check_files_exist(settings: Settings, sources: dict[str, str], path: Path |
     for dotted, file in checks:
         if file is not None and not file.is_file():
             origin = _origin(dotted, sources, path)
-            raise ConfigError(f"config error: {dotted}: file {file} does not exist{origin}")
+            what = "is a folder, not a file" if file.is_dir() else "does not exist"
+            raise ConfigError(f"config error: {dotted}: file {file} {what}{origin}")
 
 
 def _validate(
