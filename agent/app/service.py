@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import signal
 import socket
 import time
@@ -298,6 +299,12 @@ class Agent:
                     log.warning("application_ack_without_upstream", channel=channel.name,
                                 hint="senders get AR after application_ack_timeout until [server] url is set")
         for channel in s.channels:
+            for written in channel.allowed_sources:
+                network = ipaddress.ip_network(written, strict=False)
+                if str(network) != written and "/" in written:
+                    log.warning("allowed_source_host_bits", channel=channel.name, written=written,
+                                taken_as=str(network), hint=f"write {network} for that network, or the "
+                                f"address alone for one host")
             if channel.assign_sequence_numbers and channel.partition_key is not None:
                 # Allowed (max_in_flight = 1), but the keys still pass each other.
                 log.warning("sequence_numbers_across_partitions", channel=channel.name,

@@ -97,8 +97,8 @@ class ChannelListener(ConnectionSet):
         self._track_connections()
         self._server: asyncio.Server | None = None
         self._allowed = [ipaddress.ip_network(c, strict=False) for c in channel.allowed_sources]
-        #: source -> (when a refusal was last logged, refusals since then)
-        self._refusals: dict[str, tuple[float, int]] = {}
+        #: (kind, source) -> (when a refusal was last logged, refusals since then)
+        self._refusals: dict[tuple[str, str], tuple[float, int]] = {}
         self._ssl = build_server_ssl(channel)
         self.log = log.bind(channel=channel.name)
         self._handshake_failures = HandshakeFailures(self.log)
@@ -213,8 +213,11 @@ class ChannelListener(ConnectionSet):
         return self._admit(conn.source, conn.remote)
 
     def refuse_source(self, peer: Any) -> None:
-        self.log.warning("connection_refused_source", peer=format_peer(peer))
+        """A peer outside allowed_sources: counted, and logged once per source per minute (a scan must not flood)."""
         self._count_refusal("source_not_allowed")
+        not_logged = self._log_due("source", source_address(peer))
+        if not_logged is not None:
+            self.log.warning("connection_refused_source", peer=format_peer(peer), not_logged=not_logged)
 
     def source_allowed(self, peer: Any) -> bool:
         if not self._allowed:
@@ -267,19 +270,26 @@ class ChannelListener(ConnectionSet):
     def _refuse(self, source: str, remote: str, key: str, limit: int) -> None:
         """Log a refusal once per source per minute, with the count of those not logged."""
         self._count_refusal("busy" if key == "max_connections" else "source_busy")
+        not_logged = self._log_due("limit", source)
+        if not_logged is not None:
+            self.log.warning("connection_refused_limit", peer=remote, limit=key, value=limit,
+                             open=len(self.connections), not_logged=not_logged)
+
+    def _log_due(self, kind: str, source: str) -> int | None:
+        """The refusals of ``kind`` from ``source`` not logged since its last line, when one is due now; else None."""
         now = time.monotonic()
-        last = self._refusals.get(source)
+        key = (kind, source)
+        last = self._refusals.get(key)
         if last is not None and now - last[0] < REFUSAL_LOG_INTERVAL:
-            self._refusals[source] = (last[0], last[1] + 1)
-            return
+            self._refusals[key] = (last[0], last[1] + 1)
+            return None
         if len(self._refusals) >= 4096:  # many sources (a scan): forget those logged long ago
             self._refusals = {k: v for k, v in self._refusals.items()
                               if now - v[0] < REFUSAL_LOG_INTERVAL}
             if len(self._refusals) >= 4096:
                 self._refusals.clear()  # memory first; at worst a few more log lines
-        self._refusals[source] = (now, 0)
-        self.log.warning("connection_refused_limit", peer=remote, limit=key, value=limit,
-                         open=len(self.connections), not_logged=last[1] if last else 0)
+        self._refusals[key] = (now, 0)
+        return last[1] if last else 0
 
     def _count_refusal(self, reason: str) -> None:
         if self.ctx.metrics is not None:

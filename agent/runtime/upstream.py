@@ -120,6 +120,19 @@ def safe_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
+def url_for_token(url: str) -> str:
+    """The URL to connect to when a bearer token authenticates: without its user info.
+
+    websockets turns ``user:password@`` into an ``Authorization: Basic``
+    header, which beside our ``Bearer`` one makes two: servers refuse that
+    (500), and protocol v1 names the bearer token only.
+    """
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
 def _ssl_context(settings: LinkSettings) -> ssl.SSLContext | None:
     return upstream_ssl_context(settings.url, settings.ca_file, settings.client_cert, settings.client_key)
 
@@ -328,7 +341,7 @@ class UpstreamLink:
         headers = {"Authorization": f"Bearer {token}"} if token else None
         try:
             ws = await connect(
-                s.url,
+                url_for_token(s.url) if token else s.url,
                 additional_headers=headers,
                 user_agent_header=f"hl7-agent/{s.version} {USER_AGENT}",
                 # No proxy unless configured (docs/configuration.md). proxy=None stops websockets

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from agenttest import ack_code, db_rows, err3, exchange, hl7_message, make_test_pki, run_with_agent
+from structlog.testing import capture_logs
 
 from agent.app.config import ChannelSettings
 
@@ -73,6 +74,33 @@ class TestAllowedSources:
             assert ack_code(await exchange(port, hl7_message("ALLOWED"))) == "AA"
 
         run_with_agent(tmp_path, channel, scenario)
+
+
+    def test_refusals_of_one_source_are_logged_once_a_minute_with_a_count(self, tmp_path: Path) -> None:
+        """A scan or a misconfigured sender retrying must not fill the log: one line, then counted."""
+        channel = ChannelSettings(name="adt", listen="127.0.0.1:0", allowed_sources=["10.0.0.0/8"])
+
+        async def scenario(port: int) -> None:
+            for _ in range(5):
+                with pytest.raises(ConnectionError):
+                    await exchange(port, hl7_message("DENIED"))
+
+        with capture_logs() as logs:
+            run_with_agent(tmp_path, channel, scenario)
+        refused = [e for e in logs if e["event"] == "connection_refused_source"]
+        assert len(refused) == 1 and refused[0]["not_logged"] == 0
+
+    def test_an_entry_with_host_bits_works_and_is_warned_about(self, tmp_path: Path) -> None:
+        """"127.0.0.1/8" means 127.0.0.0/8 (served), and the start says what it was taken as."""
+        channel = ChannelSettings(name="adt", listen="127.0.0.1:0", allowed_sources=["127.0.0.1/8"])
+
+        async def scenario(port: int) -> None:
+            assert ack_code(await exchange(port, hl7_message("ALLOWED"))) == "AA"
+
+        with capture_logs() as logs:
+            run_with_agent(tmp_path, channel, scenario)
+        (warned,) = [e for e in logs if e["event"] == "allowed_source_host_bits"]
+        assert warned["written"] == "127.0.0.1/8" and warned["taken_as"] == "127.0.0.0/8"
 
 
 class TestChannelRestrictions:

@@ -105,6 +105,20 @@ class TestHandshake:
 
         run(scenario())
 
+    def test_user_info_in_the_url_does_not_make_a_second_authorization_header(self) -> None:
+        """wss://user:pw@host with a token: websockets would add "Authorization: Basic" beside our
+        Bearer one, and a server refuses two (websockets answers 500). Only the bearer token goes."""
+
+        async def scenario() -> None:
+            async with dev_server() as server:
+                link = UpstreamLink(settings(server.port, url=f"ws://bob:pw@127.0.0.1:{server.port}/agent"))
+                async with running(link):
+                    async with asyncio.timeout(10):
+                        await link.session()
+                    assert link.last_error is None
+
+        run(scenario())
+
     def test_welcome_without_replay_is_reported(self) -> None:
         """welcome.replay false reaches the session (the dispatcher then fails inflight rows)."""
 

@@ -495,6 +495,13 @@ class TestValues:
         }
         assert "channels[0].allowed_sources" in load_error(None, env)
 
+    def test_allowed_sources_as_peers_are_compared(self) -> None:
+        """An IPv4-mapped entry becomes the IPv4 network peers are compared with (it never matched);
+        one with host bits is kept as written, for the start's warning (allowed_source_host_bits)."""
+        channel = ChannelSettings(name="a", listen="0.0.0.0:1",
+                                  allowed_sources=["::ffff:127.0.0.1/128", "::ffff:10.0.0.0/104", "10.1.2.3/8"])
+        assert channel.allowed_sources == ["127.0.0.1/32", "10.0.0.0/8", "10.1.2.3/8"]
+
     def test_literals_are_case_insensitive(self) -> None:
         """Enumerated values accept any case."""
         settings = load_settings(
@@ -711,6 +718,10 @@ class TestCrossChecks:
         proxy = "http://proxy:3128"
         assert load_settings(None, {"HL7_AGENT_SERVER__PROXY": proxy}).server.proxy == proxy
         assert "server.proxy" in load_error(None, {"HL7_AGENT_SERVER__PROXY": "socks5://p:1"})
+        # A bad port is one line naming the key (check-config once crashed with a traceback, and run
+        # never connected, saying nothing); the password in it stays masked.
+        message = load_error(None, {"HL7_AGENT_SERVER__PROXY": "http://u:pw@127.0.0.1:99999"})
+        assert "server.proxy" in message and "port outside 0-65535" in message and "pw" not in message
 
 
 class TestToken:
@@ -758,6 +769,12 @@ class TestRender:
         assert "pw-123" not in text
         assert 'token = "***"' in text
         assert "user:***@127.0.0.1:8080" in text
+
+    def test_render_masks_the_url_query(self, tmp_path: Path) -> None:
+        """A query may carry a credential (?token=…): its values are masked as logs and the page drop it."""
+        path = write(tmp_path, MINIMAL.replace("/agent", "/agent?token=QTOKEN-55&site=north"))
+        text = render_effective(load_settings(str(path), {}))
+        assert "QTOKEN-55" not in text and "token=***&site=***" in text
 
     def test_render_shows_token_file_path(self, tmp_path: Path) -> None:
         """token_file is shown as its path, never its content."""

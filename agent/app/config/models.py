@@ -150,6 +150,10 @@ class ServerSettings(_Section):
             raise ValueError(
                 f'{_mask_url(value)!r} must be "none" or an http:// or https:// proxy URL'
             )
+        try:
+            parts.port  # noqa: B018 - urlsplit checks the port only when asked
+        except ValueError:
+            raise ValueError(f"{_mask_url(value)!r} has a port outside 0-65535") from None
         return value.strip()
 
     @field_validator("token_file", "ca_file", "client_cert", "client_key", mode="after")
@@ -441,11 +445,22 @@ class ChannelSettings(_Section):
         networks = []
         for item in value:
             try:
-                networks.append(str(ipaddress.ip_network(item.strip(), strict=False)))
+                network = ipaddress.ip_network(item.strip(), strict=False)
             except ValueError:
                 raise ValueError(
                     f"{item!r} is not an IP address or CIDR network, e.g. 10.1.0.0/16"
                 ) from None
+            if network.network_address != ipaddress.ip_address(item.strip().split("/")[0]):
+                # "10.1.2.3/8" means 10.0.0.0/8, as written elsewhere; kept as written so
+                # that the start can warn about it (allowed_source_host_bits).
+                networks.append(item.strip())
+                continue
+            if isinstance(network, ipaddress.IPv6Network) and network.network_address.ipv4_mapped is not None \
+                    and network.prefixlen >= 96:
+                # Peers are compared as IPv4 (an IPv4-mapped peer counts as IPv4): say it that way.
+                network = ipaddress.ip_network(
+                    f"{network.network_address.ipv4_mapped}/{network.prefixlen - 96}")
+            networks.append(str(network))
         return networks
 
     @field_validator("tls_cert", "tls_key", "tls_client_ca", "tls_server_ca", mode="after")

@@ -131,14 +131,16 @@ OptionalPath = Annotated[Path | None, BeforeValidator(_empty_is_none)]
 
 
 def _mask_url(url: str) -> str:
-    """Hide a password in a URL's userinfo before it is printed."""
+    """Hide a password in a URL's userinfo, and every query value (``?token=…``), before it is printed."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc))
+    if parts.query:
+        masked = "&".join(f"{pair.partition('=')[0]}=***" if "=" in pair else pair
+                          for pair in parts.query.split("&"))
+        parts = parts._replace(query=masked)
+    if parts.password is not None:
+        # The host and port as written (a port out of range must still be shown, not raise).
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}")
+    return urlunsplit(parts)
 
 
 def _human(seconds: float) -> str:
