@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -233,7 +234,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from agent.app.config import render_effective
-    from agent.app.preflight import data_dir_problem, tls_problem
+    from agent.app.preflight import data_dir_problem, file_warnings, tls_problem
 
     settings = _settings(args)
     # The daemon could not start with it: a configuration this user cannot run is not valid.
@@ -243,6 +244,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     tls = tls_problem(settings)
     if tls is not None:
         raise ConfigError(f"config error: {tls[1]}")
+    for key, words in file_warnings(settings, time.time()):
+        print(f"warning: {key}: {words}", file=sys.stderr)
     text = render_effective(settings)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     return EXIT_OK

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import ssl
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,6 +141,52 @@ def tls_problem(settings: Any) -> tuple[str, str] | None:  # noqa: ANN401 - Sett
         key = getattr(exc, "key", "client_cert" if server.client_cert is not None else "ca_file")
         return f"server.{key}", f"server.{key}: cannot load the TLS files for {safe_url(server.url or '')}: {exc}"
     return None
+
+
+#: A certificate of ours this close to its end is warned about at start.
+CERT_EXPIRY_WARNING_S = 14 * 86400
+
+
+def file_warnings(settings: Any, now: float) -> list[tuple[str, str]]:  # noqa: ANN401 - Settings (no import cycle)
+    """(key, words) for what would not stop a start but should be fixed: secrets any local user can
+    read, and certificates of ours that expired or expire within two weeks (every handshake then fails
+    with a reason that does not say whose certificate it is)."""
+    server, queue = settings.server, settings.queue
+    secrets = [("server.client_key", server.client_key), ("server.token_file", server.token_file),
+               ("queue.password_file", queue.password_file)]
+    certs = [("server.client_cert", server.client_cert)]
+    for index, channel in enumerate(settings.channels):
+        secrets.append((f"channels[{index}].tls_key", channel.tls_key))
+        certs.append((f"channels[{index}].tls_cert", channel.tls_cert))
+    found: list[tuple[str, str]] = []
+    for key, path in secrets:
+        try:
+            mode = path.stat().st_mode if path is not None else 0
+        except OSError:
+            continue
+        if mode & 0o004:
+            found.append((key, f"{path} is readable by every user of this host (mode {mode & 0o777:04o}): "
+                               f"chmod o-r {path}, or 0600 for the agent's user"))
+    for key, path in certs:
+        expires = _not_after(path) if path is not None else None
+        if expires is None:
+            continue
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires))
+        if expires <= now:
+            found.append((key, f"the certificate {path} expired on {when}: every TLS handshake with it fails"))
+        elif expires - now <= CERT_EXPIRY_WARNING_S:
+            found.append((key, f"the certificate {path} expires on {when}: renew it before then"))
+    return found
+
+
+def _not_after(path: Path) -> float | None:
+    """The first certificate's expiry in ``path`` (seconds since the epoch), None when it cannot be read."""
+    try:
+        # The ssl module's own PEM decoder (the one its tests use): no other dependency.
+        decoded = ssl._ssl._test_decode_cert(str(path))  # type: ignore[attr-defined]
+        return float(ssl.cert_time_to_seconds(decoded["notAfter"]))
+    except (OSError, ValueError, KeyError, AttributeError, ssl.SSLError):
+        return None
 
 
 def log_start_failure(exc: Exception) -> None:

@@ -32,7 +32,7 @@ import structlog
 from agent import __version__
 from agent.app import overlap
 from agent.app.config import Settings
-from agent.app.preflight import data_dir_problem, log_start_failure, tls_problem
+from agent.app.preflight import data_dir_problem, file_warnings, log_start_failure, tls_problem
 from agent.core.timefmt import rfc3339
 from agent.errors import AdminListenInUse, ConfigError, StartupError, StorageError
 from agent.runtime import adoption, audit, sockets
@@ -298,6 +298,8 @@ class Agent:
                 if channel.ack == "application":
                     log.warning("application_ack_without_upstream", channel=channel.name,
                                 hint="senders get AR after application_ack_timeout until [server] url is set")
+        for key, words in file_warnings(s, time.time()):
+            log.warning("config_warning", key=key, warning=words)
         for channel in s.channels:
             for written in channel.allowed_sources:
                 network = ipaddress.ip_network(written, strict=False)

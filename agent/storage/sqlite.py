@@ -228,14 +228,27 @@ def _apply_pragmas(conn: sqlite3.Connection, options: DatabaseOptions) -> None:
     conn.execute("PRAGMA secure_delete = FAST")
 
 
+def make_private_dir(path: Path) -> None:
+    """``path`` as a folder of mode 0700; missing parents 0755 whatever the umask.
+
+    ``Path.mkdir(parents=True)`` gives parents ``0777 & ~umask``: under
+    ``umask 000`` anyone could rename the data dir away and put their own in its place.
+    """
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for parent in reversed(missing[1:]):
+        # mkdir's mode is masked by the umask, never widened by it: 0755 at most.
+        parent.mkdir(mode=0o755, exist_ok=True)
+    path.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
 def _prepare_files(db_path: Path) -> None:
     """Create the data dir 0700 and the database file 0600 before SQLite does.
 
     SQLite gives the -wal and -shm files the database file's permissions, so
     creating it 0600 ourselves keeps all three private.
     """
-    db_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(db_path.parent, 0o700)
+    make_private_dir(db_path.parent)
     fd = os.open(db_path, os.O_RDWR | os.O_CREAT, 0o600)
     os.close(fd)
     os.chmod(db_path, 0o600)

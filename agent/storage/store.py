@@ -227,7 +227,7 @@ def open_stores(db_path: Path, queue: QueueConfig, agent_id: str, now: float) ->
         from agent.storage import postgres
 
         # No queue file, but the state directory still holds the hand-over sockets.
-        db_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        db.make_private_dir(db_path.parent)
         options = pg_options(queue, agent_id)
         writer_dialect = postgres.PostgresDialect(options, role="writer")
         reader_dialect = postgres.PostgresDialect(options, role="reader")

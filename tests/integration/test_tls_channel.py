@@ -13,6 +13,7 @@ import shutil
 import ssl
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +257,29 @@ class TestTlsFilesLoadBeforeStart:
             assert code == 2, err
             assert f"channels[0].tls_key: cannot load the TLS files of channel 'adt': the private key {encrypted} " \
                    "is encrypted with a passphrase" in err, err
+
+    def test_a_key_anyone_can_read_and_a_certificate_about_to_expire_are_warned_about(
+            self, tmp_path: Path) -> None:
+        """Neither stops a start, both should be fixed: check-config says so on stderr (and run logs
+        config_warning); an expired certificate is named as such, whose it is."""
+        from agent.app.config import load_settings
+        from agent.app.preflight import file_warnings
+
+        cert, key = tmp_path / "short.pem", tmp_path / "short.key"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                        "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"],
+                       check=True, capture_output=True, timeout=60)
+        os.chmod(key, 0o644)
+        config = (f'[agent]\ndata_dir = "{tmp_path / "data"}"\n[admin]\nlisten = ""\n'
+                  f'[[channels]]\nname = "adt"\nlisten = "127.0.0.1:{free_port()}"\n'
+                  f'tls_cert = "{cert}"\ntls_key = "{key}"\n')
+        code, err = self._cli(tmp_path, config, "check-config")
+        assert code == 0, err
+        assert f"warning: channels[0].tls_key: {key} is readable by every user of this host (mode 0644)" in err
+        assert f"warning: channels[0].tls_cert: the certificate {cert} expires on " in err
+        settings = load_settings(str(tmp_path / "agent.toml"), {})
+        later = [words for k, words in file_warnings(settings, time.time() + 3 * 86400) if k.endswith("tls_cert")]
+        assert later and "expired on" in later[0] and "every TLS handshake with it fails" in later[0]
 
     def test_upstream_client_files_that_do_not_load(self, tmp_path: Path, pki: Path) -> None:
         """check-config and run exit 2 (a configuration error), run before it starts, rather than
