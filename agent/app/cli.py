@@ -278,7 +278,14 @@ def cmd_send(args: argparse.Namespace) -> int:
     if args.key and not args.cert:
         raise UsageError("send: --key needs --cert")
     tls = ClientTls(ca=args.ca, cert=args.cert, key=args.key) if args.tls else None
-    return send_files(args.host, args.port, args.files, timeout=args.timeout, tls=tls)
+    if tls is not None:
+        try:
+            tls.context()  # a file named on the command line that does not load is a usage error
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"send: {getattr(exc, 'key', '--tls')}: {exc}") from None
+    # "[::1]" as in a URL is the address ::1.
+    host = args.host[1:-1] if args.host.startswith("[") and args.host.endswith("]") else args.host
+    return send_files(host, args.port, args.files, timeout=args.timeout, tls=tls)
 
 
 def cmd_dev_server(args: argparse.Namespace) -> int:

@@ -143,10 +143,11 @@ def _connect(host: str, port: int, timeout: float, tls: ClientTls | None) -> soc
             which = "--ca" if tls.cert is None else "--ca/--cert/--key"
             print(f"hl7-agent: send: cannot load {which}: {_tls_error(exc)}", file=sys.stderr)
             return None
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
-        print(f"hl7-agent: send: cannot connect to {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"hl7-agent: send: cannot connect to {where}: {exc.strerror or exc}", file=sys.stderr)
         return None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if context is None:
@@ -156,7 +157,7 @@ def _connect(host: str, port: int, timeout: float, tls: ClientTls | None) -> soc
         return context.wrap_socket(sock, server_hostname=host)
     except (OSError, ValueError) as exc:
         sock.close()
-        print(f"hl7-agent: send: TLS handshake with {host}:{port} failed: {_tls_error(exc)}",
+        print(f"hl7-agent: send: TLS handshake with {where} failed: {_tls_error(exc)}",
               file=sys.stderr)
         return None
 

@@ -98,15 +98,19 @@ class TestSendTls:
         run_with_agent(tmp_path, tls_channel(pki, client_ca=True), scenario)
 
     def test_tls_options_need_tls(self, tmp_path: Path, pki: Path) -> None:
-        """--ca without --tls, or --key without --cert, is a usage error (exit 2)."""
+        """--ca without --tls, --key without --cert, or a TLS file that does not load: a usage error (exit 2)."""
 
         async def scenario(port: int) -> None:
             code, _out, err = await send("--port", str(port), "--ca", str(pki / "ca.pem"))
             assert code == 2 and "need --tls" in err
             code, _out, err = await send("--port", str(port), "--tls", "--key", str(pki / "client.key"))
             assert code == 2 and "--key needs --cert" in err
+            # A file named on the command line that does not load: a usage error too, with its path.
             code, _out, err = await send("--port", str(port), "--tls", "--ca", str(tmp_path / "nope.pem"))
-            assert code == 1 and err.startswith("hl7-agent: send: cannot load --ca")
+            assert code == 2 and f"send: --ca: cannot read {tmp_path / 'nope.pem'}: No such file" in err, err
+            code, _out, err = await send("--port", str(port), "--tls", "--ca", str(pki / "ca.pem"),
+                                         "--cert", str(pki / "client.pem"), "--key", str(pki / "server.key"))
+            assert code == 2 and "send: --key: the private key" in err and "does not belong" in err, err
 
         run_with_agent(tmp_path, tls_channel(pki), scenario)
 
