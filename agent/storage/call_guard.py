@@ -12,8 +12,10 @@ call they make (a write batch, one read), and one watchdog thread shuts down
 the socket of a connection whose guard is still armed past its deadline.
 The blocked call then fails as a lost connection does (the dialect opens a
 new one, with backoff), so intake answers "resend later" instead of nothing.
-The guard is two attribute writes per call; the watchdog wakes a few times a
-second while any guard is armed.
+A guarded call costs a ``dup`` and a ``close`` of the socket's descriptor (so
+the watchdog never shuts down a number the connection gave up and another
+socket took); the watchdog wakes a few times a second while any guard is
+armed, and sleeps otherwise.
 """
 
 from __future__ import annotations
