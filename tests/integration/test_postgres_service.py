@@ -63,6 +63,19 @@ async def agent_on(settings: Settings) -> AsyncIterator[Agent]:
 
 
 @asynccontextmanager
+async def agent_started_while_down(settings: Settings, pg_server: Any) -> AsyncIterator[Agent]:
+    """The database server stopped, then the agent started; the server started again afterwards
+    unless the test did so itself."""
+    await asyncio.to_thread(pg_server.stop)
+    try:
+        async with agent_on(settings) as agent:
+            yield agent
+    finally:
+        if not pg_server.running:
+            await asyncio.to_thread(pg_server.start)
+
+
+@asynccontextmanager
 async def dev_server() -> AsyncIterator[DevServer]:
     server = DevServer(token=TOKEN)
     await server.start()
@@ -204,23 +217,18 @@ class TestDatabaseFaults:
 
         async def scenario() -> None:
             async with dev_server() as server:
-                await asyncio.to_thread(pg_server.stop)
-                try:
-                    settings = settings_for(tmp_path, pg_database, server.port, admin_port=admin_port)
-                    async with agent_on(settings) as agent:
-                        down = await send(agent, "D1")
-                        assert (ack_code(down), err3(down)) == ("AR", "207")
-                        assert await ready(admin_port) == 503
-                        await asyncio.to_thread(pg_server.start)
-                        back = time.monotonic()
-                        while ack_code(await send(agent, "A1")) != "AA":
-                            assert time.monotonic() - back < 20, "no accept within 20 s of the server's start"
-                            await asyncio.sleep(0.05)
-                        await until(lambda: delivered(server) == ["A1"], 20, "A1 delivered")
-                        assert await ready(admin_port) == 200
-                finally:
-                    if not pg_server.running:
-                        await asyncio.to_thread(pg_server.start)
+                settings = settings_for(tmp_path, pg_database, server.port, admin_port=admin_port)
+                async with agent_started_while_down(settings, pg_server) as agent:
+                    down = await send(agent, "D1")
+                    assert (ack_code(down), err3(down)) == ("AR", "207")
+                    assert await ready(admin_port) == 503
+                    await asyncio.to_thread(pg_server.start)
+                    back = time.monotonic()
+                    while ack_code(await send(agent, "A1")) != "AA":
+                        assert time.monotonic() - back < 20, "no accept within 20 s of the server's start"
+                        await asyncio.sleep(0.05)
+                    await until(lambda: delivered(server) == ["A1"], 20, "A1 delivered")
+                    assert await ready(admin_port) == 200
             # The schema the first connection made is this version's, owned by this agent.
             assert pg_database.rows("SELECT value FROM meta WHERE key = 'agent_id'") == [(AGENT_ID,)]
             assert pg_database.rows("SELECT control_id, state FROM messages") == [("A1", "processed")]
@@ -239,20 +247,15 @@ class TestDatabaseFaults:
 
         async def scenario() -> None:
             async with dev_server() as server:
-                await asyncio.to_thread(pg_server.stop)
-                try:
-                    settings = settings_for(tmp_path, pg_database, server.port, admin_port=admin_port)
-                    async with agent_on(settings) as agent:
-                        await asyncio.to_thread(pg_server.start)
-                        deadline = time.monotonic() + 5  # well past a few reconnection attempts
-                        while time.monotonic() < deadline:
-                            answer = await send(agent, f"X{int(time.monotonic() * 1000)}")
-                            assert (ack_code(answer), err3(answer)) == ("AR", "207")
-                            await asyncio.sleep(0.2)
-                        assert await ready(admin_port) == 503
-                finally:
-                    if not pg_server.running:
-                        await asyncio.to_thread(pg_server.start)
+                settings = settings_for(tmp_path, pg_database, server.port, admin_port=admin_port)
+                async with agent_started_while_down(settings, pg_server) as agent:
+                    await asyncio.to_thread(pg_server.start)
+                    deadline = time.monotonic() + 5  # well past a few reconnection attempts
+                    while time.monotonic() < deadline:
+                        answer = await send(agent, f"X{int(time.monotonic() * 1000)}")
+                        assert (ack_code(answer), err3(answer)) == ("AR", "207")
+                        await asyncio.sleep(0.2)
+                    assert await ready(admin_port) == 503
 
         run(scenario(), timeout=120)
         assert pg_database.rows("SELECT count(*) FROM messages") == [(0,)]
