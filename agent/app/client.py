@@ -24,7 +24,7 @@ from agent.core.batch import is_batch, split_batch
 from agent.core.charsets import resolve_codec
 from agent.core.envelope import read_msh
 from agent.errors import HL7Error
-from agent.runtime.tls_files import load_ca, load_pair
+from agent.runtime.tls_files import load_pair, verifying_context
 
 _LINE_ENDINGS = re.compile(rb"\r\n|\n")
 _UTF8_BOM = b"\xef\xbb\xbf"
@@ -114,11 +114,7 @@ class ClientTls:
 
     def context(self) -> ssl.SSLContext:
         """Verifying context (certificate and host name, TLS 1.2+); OSError/SSLError on a bad file."""
-        if self.ca is None:
-            context = ssl.create_default_context()
-        else:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # create_default_context(cafile=...)'s settings
-            load_ca(context, self.ca, setting="--ca")
+        context = verifying_context(self.ca, setting="--ca")
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         if self.cert is not None:
             load_pair(context, self.cert, self.key, cert_key="--cert", key_key="--key")

@@ -34,7 +34,7 @@ from agent.core.intake_types import ChannelPolicy
 from agent.core.timefmt import rfc3339
 from agent.runtime.mllp_connection import Connection, ConnectionSet, keep_alive
 from agent.runtime.mllp_server import IntakeContext, channel_policy
-from agent.runtime.tls_files import load_ca, load_pair
+from agent.runtime.tls_files import load_pair, verifying_context
 from agent.storage.store import SqliteStore
 
 if TYPE_CHECKING:
@@ -60,8 +60,7 @@ def build_client_ssl(channel: ChannelSettings) -> ssl.SSLContext | None:
     """TLS to the sender: its certificate verified against ``tls_server_ca``; ours from ``tls_cert``/``tls_key``."""
     if channel.tls_server_ca is None:
         return None
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-    load_ca(ctx, channel.tls_server_ca, setting="tls_server_ca")
+    ctx = verifying_context(channel.tls_server_ca, setting="tls_server_ca")
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     if channel.tls_cert is not None:
         load_pair(ctx, channel.tls_cert, channel.tls_key)

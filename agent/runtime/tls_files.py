@@ -14,7 +14,7 @@ import ssl
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["TlsFileError", "load_ca", "load_pair"]
+__all__ = ["TlsFileError", "load_ca", "load_pair", "verifying_context"]
 
 
 class TlsFileError(ValueError):
@@ -69,6 +69,21 @@ def load_pair(context: ssl.SSLContext, cert: str | Path, key: str | Path | None,
             raise TlsFileError(key_of, f"the private key {key_path} does not belong to the certificate "
                                        f"{cert}") from None
         raise TlsFileError(key_of, f"{cert} with {key_path}: {reason.lower().replace('_', ' ') or exc}") from None
+
+
+def verifying_context(cafile: str | Path | None, *, setting: str) -> ssl.SSLContext:
+    """A client context that verifies the server against ``cafile`` alone (None: the system's store).
+
+    As ``ssl.create_default_context(cafile=...)`` does (same settings: TLS
+    1.2+, certificate and host name checked), with :func:`load_ca`'s errors.
+    Not ``create_default_context()`` and then the CA: that one has loaded the
+    system's store already, and would trust every public CA beside ours.
+    """
+    if cafile is None:
+        return ssl.create_default_context()
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    load_ca(context, cafile, setting=setting)
+    return context
 
 
 def load_ca(context: ssl.SSLContext, cafile: str | Path, *, setting: str) -> None:

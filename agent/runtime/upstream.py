@@ -63,7 +63,7 @@ from agent.core.session import (
 )
 from agent.errors import ProtocolError
 from agent.runtime.aio import unless, wait_event
-from agent.runtime.tls_files import load_ca, load_pair
+from agent.runtime.tls_files import load_pair, verifying_context
 from agent.runtime.upstream_session import LeaseExpired, Session
 
 log = structlog.get_logger(__name__)
@@ -142,13 +142,7 @@ def upstream_ssl_context(url: str | None, ca_file: str | Path | None, client_cer
     """TLS for wss:// from ca_file / client_cert / client_key; None for ws:// (or no URL)."""
     if url is None or urlsplit(url).scheme.lower() != "wss":
         return None
-    if ca_file is None:
-        context = ssl.create_default_context()  # the system's trust store
-    else:
-        # Only this bundle is trusted, as with create_default_context(cafile=...),
-        # which has the same settings (verification, host names, TLS 1.2+).
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        load_ca(context, ca_file, setting="ca_file")
+    context = verifying_context(ca_file, setting="ca_file")
     if client_cert:
         load_pair(context, client_cert, client_key, cert_key="client_cert", key_key="client_key")
     return context

@@ -197,6 +197,36 @@ class TestHandshakeAdmission:
         assert crowded and crowded[0]["peer"].startswith("127.0.0.1:")
 
 
+class TestTrustedCas:
+    def test_a_configured_ca_is_the_only_one_trusted(self, tmp_path: Path, pki: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+        """tls_server_ca, server.ca_file and send --ca each trust that bundle alone, never the
+        system's store beside it (a certificate of any public CA would pass). The system store is
+        a decoy CA here, through SSL_CERT_FILE, which OpenSSL reads for its default paths."""
+        from agent.app.client import ClientTls
+        from agent.runtime.outbound import build_client_ssl
+        from agent.runtime.upstream import upstream_ssl_context
+
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+                        "-nodes", "-keyout", str(tmp_path / "decoy.key"), "-out", str(tmp_path / "decoy.pem"),
+                        "-days", "1", "-subj", "/CN=decoy public CA"], check=True, capture_output=True, timeout=30)
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "decoy.pem"))
+        monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+        channel = ChannelSettings(name="lab", connect="127.0.0.1:1", tls_server_ca=pki / "ca.pem")
+        contexts = {
+            "tls_server_ca": build_client_ssl(channel),
+            "ca_file": upstream_ssl_context("wss://127.0.0.1/agent", pki / "ca.pem", None, None),
+            "--ca": ClientTls(ca=str(pki / "ca.pem")).context(),
+        }
+        for name, context in contexts.items():
+            assert context is not None
+            subjects = [dict(item[0] for item in c["subject"]).get("commonName") for c in context.get_ca_certs()]
+            assert "decoy public CA" not in subjects and len(subjects) == 1, (name, subjects)
+        # Without one, the system's store is what verifies (the decoy here).
+        default = upstream_ssl_context("wss://127.0.0.1/agent", None, None, None)
+        assert default is not None and len(default.get_ca_certs()) == 1
+
+
 class _Log:
     def __init__(self) -> None:
         self.lines: list[dict[str, Any]] = []
