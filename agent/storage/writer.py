@@ -11,15 +11,17 @@ transaction and answers only after ``COMMIT`` returned — so an accept ACK can
 never precede its commit (docs/queue.md#the-promise). If COMMIT fails, every
 job of the batch fails.
 
-A batch of intake groups only (with its ``ack_outcome`` bookkeeping, one
-statement per batch) — the common one — runs without any SAVEPOINT: every
-group goes to ``SqliteStore.intake_groups`` at once (one statement per kind
-for the whole batch). If anything in it fails, the transaction is rolled
-back and the batch taken again the careful way. The careful way, and every
-batch with other jobs: each job in its own SAVEPOINT so a failing job does
+A batch runs first without any SAVEPOINT (each costs two statements and a
+copy of every page it changes): its ``ack_outcome`` bookkeeping in one
+statement, every other job in turn, and every intake group at once
+(``SqliteStore.intake_groups``: one statement per kind for the whole batch).
+Jobs fail rarely (a lost lease, an operator's change in between), so if
+anything in it raises, the transaction is rolled back and the batch taken
+again the careful way: each job in its own SAVEPOINT so a failing job does
 not sink the batch; the intake groups together under one, and only if that
 fails one by one, each in its own, so the failing one is found and its
-neighbours still commit.
+neighbours still commit. A job is a store call and nothing else, so running
+it again after a rollback is running it once.
 
 Answers go back to the event loop in one ``call_soon_threadsafe`` per loop
 per batch, not one per job: a thread hop costs a wake-up of the loop.
@@ -354,14 +356,22 @@ class Writer:
         store.begin_batch()
         return conn
 
-    def _run_plain(self, batch: list[_AnyJob], outcomes: list[tuple[str, str]]) -> None:
-        """A batch of intake groups and ACK outcomes only, without savepoints: any error raises."""
+    def _run_plain(self, batch: list[_AnyJob], deferred: list[_Job], outcomes: list[tuple[str, str]]) -> None:
+        """The whole batch without savepoints, in the careful way's order: any error raises."""
         store = self.store
         if outcomes:
             store.set_ack_outcomes(outcomes)
-        jobs = [job for job in batch if isinstance(job, _IntakeJob)]
-        if jobs:
-            for job, results in zip(jobs, store.intake_groups([job.items for job in jobs]), strict=True):
+        for later in deferred:
+            later.fn(store)
+        intakes: list[_IntakeJob] = []
+        for job in batch:
+            if isinstance(job, _IntakeJob):
+                intakes.append(job)
+            else:
+                job.value = job.fn(store)
+                job.ok = True
+        if intakes:
+            for job, results in zip(intakes, store.intake_groups([job.items for job in intakes]), strict=True):
                 job.ok, job.value = True, results
 
     def _run_batch(self, batch: list[_AnyJob], deferred: list[_Job], outcomes: list[tuple[str, str]],
@@ -372,28 +382,22 @@ class Writer:
         if conn is None:
             return
         changes = dialect.changes(conn)
-        if not deferred and all(isinstance(job, _IntakeJob) for job in batch):
-            # The common batch — intake and its bookkeeping, checked up front —
-            # runs without a savepoint (each costs statements and a copy of
-            # every page it changes). Should anything in it fail, the whole
-            # transaction is undone and the batch taken again below, each
-            # part in its own savepoint, so the failing one spares the rest.
-            try:
-                self._run_plain(batch, outcomes)
-            except Exception:  # noqa: BLE001 - any failure: the careful way finds whose it is
-                dialect.rollback(conn)
-                conn = self._begin(batch)
-                if conn is None:
-                    return
-                changes = dialect.changes(conn)
-            else:
-                try:
-                    waited = 0.0 if stopping else self._run_late(conn, batch)
-                except _TransactionLost as lost:
-                    self._fail_all(batch, lost.error)
-                    return
-                self._commit(conn, batch, changes, started + waited)
+        # Without savepoints first (the module docstring). Should anything
+        # fail, the whole transaction is undone and the batch — late joiners
+        # included — taken again below, each part in its own savepoint, so
+        # the failing one spares the rest.
+        try:
+            self._run_plain(batch, deferred, outcomes)
+            waited = 0.0 if stopping else self._run_late(conn, batch, plain=True)
+        except Exception:  # noqa: BLE001 - any failure: the careful way finds whose it is
+            dialect.rollback(conn)
+            conn = self._begin(batch)
+            if conn is None:
                 return
+            changes = dialect.changes(conn)
+        else:
+            self._commit(conn, batch, changes, started + waited)
+            return
         waited = 0.0
         try:
             if outcomes:
@@ -481,8 +485,12 @@ class Writer:
             return False, exc
         return True, result
 
-    def _run_late(self, conn: Any, batch: list[_AnyJob]) -> float:  # noqa: ANN401 - the dialect's connection
+    def _run_late(self, conn: Any, batch: list[_AnyJob],  # noqa: ANN401 - the dialect's connection
+                  *, plain: bool = False) -> float:
         """Run the non-intake jobs queued since the batch began in it too (see the module docstring).
+
+        ``plain``: without a savepoint, as the rest of a plain batch; a
+        failure raises and the whole batch is taken again the careful way.
 
         While jobs are announced (:meth:`expect`), wait for them up to
         ``hold`` seconds in all, and never longer than a batch's own work has
@@ -517,7 +525,11 @@ class Writer:
                     return waited
                 continue
             batch.append(job)
-            job.ok, job.value = self._in_savepoint(conn, f"job{len(batch)}", job.fn)
+            if plain:
+                job.value = job.fn(self.store)
+                job.ok = True
+            else:
+                job.ok, job.value = self._in_savepoint(conn, f"job{len(batch)}", job.fn)
         return waited
 
     def _run_intakes(self, conn: Any, jobs: list[_IntakeJob]) -> None:  # noqa: ANN401 - the dialect's connection

@@ -170,6 +170,87 @@ class TestLateJoiners:
         assert [tuple(r) for r in seqs] == [("G1", 1), ("G2", 2)]
 
 
+def _bump(key: str):  # noqa: ANN202 - a store job
+    """A job that adds one to a counter in meta: run twice, it would show 2."""
+
+    def job(store: SqliteStore) -> None:
+        store.conn.execute(
+            "INSERT INTO meta (key, value) VALUES (?, '1')"
+            " ON CONFLICT (key) DO UPDATE SET value = CAST(value AS INTEGER) + 1", (key,),
+        )
+
+    return job
+
+
+def _bump_then_fail(key: str):  # noqa: ANN202 - a store job
+    def job(store: SqliteStore) -> None:
+        _bump(key)(store)
+        raise ValueError("this job fails after writing")
+
+    return job
+
+
+def _statements(writer: Writer) -> list[str]:
+    """Every statement the writer's connection runs from now on (SQLite's own trace)."""
+    seen: list[str] = []
+    writer.submit(lambda s: s.conn.set_trace_callback(seen.append)).result(5)
+    return seen
+
+
+class TestSavepoints:
+    """A batch runs without savepoints; only when one of its jobs fails is it taken again, one savepoint each."""
+
+    def test_a_batch_of_jobs_and_late_joiners_uses_no_savepoint(self, writer: Writer) -> None:
+        seen = _statements(writer)
+        started, gate, hold = _holding()
+        before = writer.batches
+        held = writer.submit(hold)  # type: ignore[arg-type]
+        assert started.wait(10)
+        late = [writer.submit(_bump(f"k{n}")) for n in range(3)]
+        gate.set()
+        for job in (held, *late):
+            job.result(10)
+        assert writer.batches == before + 1
+        assert not [q for q in seen if "SAVEPOINT" in q.upper() or q.upper().startswith("RELEASE")], seen
+        assert [writer.submit(lambda s, n=n: _meta(s, f"k{n}")).result(5) for n in range(3)] == ["1", "1", "1"]
+
+    def test_a_failing_job_spares_its_batch_and_each_job_counts_once(self, tmp_path: Path) -> None:
+        """The failing job's own write is undone; its neighbours' writes commit once, though run twice."""
+        path = tmp_path / "data" / "queue.db"
+        conn = db.open_database(path, "writer-test", db.DatabaseOptions(), time.time())
+        writer = Writer(SqliteStore(conn, db.load_queries(), db_path=path))
+        # Queued before the thread starts: all three are in its first batch.
+        jobs = [writer.submit(_bump("a")), writer.submit(_bump_then_fail("b")), writer.submit(_bump("c"))]
+        writer.start()
+        try:
+            assert jobs[0].result(10) is None
+            with pytest.raises(ValueError, match="fails after writing"):
+                jobs[1].result(10)
+            assert jobs[2].result(10) is None
+            assert writer.batches == 1
+            values = writer.submit(lambda s: [_meta(s, k) for k in "abc"]).result(5)
+            assert values == ["1", None, "1"]
+        finally:
+            writer.close()
+
+    def test_a_failing_late_joiner_spares_the_batch_it_joined(self, writer: Writer) -> None:
+        started, gate, hold = _holding()
+        before = writer.batches
+        held = writer.submit(hold)  # type: ignore[arg-type]
+        assert started.wait(10)
+        first = writer.submit(_bump("x"))
+        failing = writer.submit(_bump_then_fail("y"))
+        last = writer.submit(_bump("z"))
+        gate.set()
+        held.result(10)
+        first.result(10)
+        last.result(10)
+        with pytest.raises(ValueError):
+            failing.result(10)
+        assert writer.batches == before + 1
+        assert writer.submit(lambda s: [_meta(s, k) for k in "xyz"]).result(5) == ["1", None, "1"]
+
+
 class TestAnnouncedJobs:
     """``expect()``: a batch about to commit waits a moment for a job its caller is about to submit."""
 
