@@ -99,6 +99,8 @@ class Event(Enum):
     AUDIT = _move(set(), {State.NACKED}, "a refused or recorded-only frame kept for audit")
     CLAIM = _move({State.QUEUED}, {State.CLAIMED}, "the dispatcher takes the channel's head")
     SEND = _move({State.CLAIMED}, {State.INFLIGHT}, "committed before the frame is written")
+    CLAIM_AND_SEND = _move({State.QUEUED}, {State.INFLIGHT},
+                           "CLAIM and SEND in one statement: claimed only inside it, never committed so")
     RESEND = _move({State.INFLIGHT}, {State.INFLIGHT},
                    "a replaying server gets the same id again, attempt + 1")
     SETTLE = _move({State.INFLIGHT}, {State.PROCESSED, State.REJECTED, State.FAILED},

@@ -81,20 +81,13 @@ QUICK_ANSWER_SECONDS = 0.005
 # -- the store calls, one per action ---------------------------------------------
 
 
-def _head_of(store: SqliteStore, channel: str) -> tuple[HeadRow | None, bool]:
-    """The channel's head and its pause flag, in one read."""
-    return store.channel_head(channel), channel in store.paused_channels()
-
-
 def _claim_and_mark(store: SqliteStore, holder: str, epoch: int, send: Send) -> int | None:
-    """Event.CLAIM then Event.SEND in one commit: the new attempt number, or None if the claim failed.
+    """Event.CLAIM and Event.SEND in one statement: the new attempt number, or None if the claim failed.
 
     One fsync instead of two on the way out; the row is still provably
     unsent until this commit returns, as with two.
     """
-    if not store.claim(holder, epoch, send.id):
-        return None
-    return store.mark_inflight(holder, epoch, send.id, State.CLAIMED, send.attempts)
+    return store.claim_and_send(holder, epoch, send.id, send.attempts)
 
 
 def _settle(store: SqliteStore, holder: str, epoch: int, a: Settle) -> bool:
@@ -140,7 +133,7 @@ def _settle_and_next(
     if not _settle(store, holder, epoch, a):
         return False, None
     running, paused = policies
-    head, is_paused = _head_of(store, running.name)
+    head, is_paused = store.channel_head_and_pause(running.name)
     policy = paused if is_paused else running
     if head is None or not isinstance(decide_head(head, policy, facts, now), Claim):
         return True, None
@@ -250,7 +243,7 @@ class ChannelWorker:
         ctx, link = self.ctx, self.link
         while not ctx.stopping.is_set():
             try:
-                head, paused = await ctx.reader.call(_head_of, self.name)
+                head, paused = await ctx.reader.call(SqliteStore.channel_head_and_pause, self.name)
             except StorageError as exc:
                 self.log.warning("dispatch_read_failed", error=str(exc))
                 await ctx.sleep(1.0)

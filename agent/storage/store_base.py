@@ -45,6 +45,7 @@ MULTIROW_ROWS = 100
 TRANSITION_QUERIES: dict[str, Event] = {
     "claim": Event.CLAIM,
     "send": Event.SEND,
+    "claim_and_send": Event.CLAIM_AND_SEND,
     "resend": Event.RESEND,
     "settle": Event.SETTLE,
     "requeue": Event.RETRY,

@@ -121,11 +121,34 @@ class DispatchQueries(StoreBase):
 
     def channel_head(self, channel: str) -> HeadRow | None:
         """The channel's lowest-seq live row (docs/queue.md#ordering-and-seq)."""
-        return self._row(HeadRow, "channel_head", channel=channel)
+        return self.channel_head_and_pause(channel)[0]
+
+    def channel_head_and_pause(self, channel: str) -> tuple[HeadRow | None, bool]:
+        """The channel's head and its durable pause flag, in one statement (False without a head)."""
+        found = self._fetch_one("channel_head", channel=channel)
+        if found is None:
+            return None, False
+        columns = dict(found)
+        paused = bool(columns.pop("channel_paused"))
+        return HeadRow(**columns), paused
 
     def claim(self, holder: str, epoch: int, message_id: str) -> bool:
         """Event.CLAIM: the queued head, once due, becomes claimed (provably not sent)."""
         return self._transition(Event.CLAIM, "claim", holder, epoch, message_id)
+
+    def claim_and_send(self, holder: str, epoch: int, message_id: str, attempts: int) -> int | None:
+        """Event.CLAIM_AND_SEND: the due, queued head straight to inflight; the new attempt number.
+
+        For a head written at once: one statement where CLAIM and SEND take
+        two, and the same commit as with two. None when the row is no longer
+        a due, queued row with ``attempts`` sends (an operator moved it).
+        """
+        row = self._exec(self._query_for(Event.CLAIM_AND_SEND, "claim_and_send"), holder=holder, epoch=epoch,
+                         id=message_id, attempts=attempts, now=self.clock()).fetchone()
+        if row is None:
+            self._check_fence(holder, epoch)
+            return None
+        return int(row[0])
 
     def mark_inflight(self, holder: str, epoch: int, message_id: str, from_state: str, attempts: int) -> int:
         """Event.SEND (a claimed row) or RESEND (``from_state`` inflight): the new attempt number.

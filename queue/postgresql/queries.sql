@@ -140,8 +140,10 @@ WHERE id IN (SELECT jsonb_array_elements_text(%(ids)s::jsonb)) AND state = 'clai
   AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s)
 
 -- name: channel_head
+-- With the channel's pause flag: the dispatcher reads both at every step.
 SELECT id, channel, seq, state, attempts, next_attempt_at, claim_epoch, remote, control_id,
-       message_type, encoding, body, received_at, ack_mode, redrive_base
+       message_type, encoding, body, received_at, ack_mode, redrive_base,
+       COALESCE((SELECT paused FROM channels WHERE channels.channel = %(channel)s), 0) AS channel_paused
 FROM messages
 WHERE channel = %(channel)s AND state IN ('queued', 'claimed', 'inflight')
 ORDER BY seq
@@ -267,6 +269,15 @@ WHERE id = %(id)s AND state = 'queued' AND next_attempt_at <= %(now)s
 UPDATE messages SET state = 'inflight', attempts = attempts + 1, sent_at = %(now)s,
                     claim_epoch = %(epoch)s, updated_at = %(now)s
 WHERE id = %(id)s AND state = 'claimed' AND attempts = %(attempts)s
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s)
+RETURNING attempts
+
+-- name: claim_and_send
+-- claim then send in one statement, for a head about to be written at once: the
+-- row goes out as attempt + 1, and is claimed only inside this statement.
+UPDATE messages SET state = 'inflight', attempts = attempts + 1, claim_epoch = %(epoch)s,
+                    claimed_at = %(now)s, sent_at = %(now)s, updated_at = %(now)s
+WHERE id = %(id)s AND state = 'queued' AND next_attempt_at <= %(now)s AND attempts = %(attempts)s
   AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s AND epoch = %(epoch)s)
 RETURNING attempts
 

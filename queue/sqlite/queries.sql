@@ -135,8 +135,10 @@ WHERE id IN (SELECT value FROM json_each(:ids)) AND state = 'claimed'
   AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
 
 -- name: channel_head
+-- With the channel's pause flag: the dispatcher reads both at every step.
 SELECT id, channel, seq, state, attempts, next_attempt_at, claim_epoch, remote, control_id,
-       message_type, encoding, body, received_at, ack_mode, redrive_base
+       message_type, encoding, body, received_at, ack_mode, redrive_base,
+       COALESCE((SELECT paused FROM channels WHERE channels.channel = :channel), 0) AS channel_paused
 FROM messages
 WHERE channel = :channel AND state IN ('queued', 'claimed', 'inflight')
 ORDER BY seq
@@ -261,6 +263,15 @@ WHERE id = :id AND state = 'queued' AND next_attempt_at <= :now
 UPDATE messages SET state = 'inflight', attempts = attempts + 1, sent_at = :now,
                     claim_epoch = :epoch, updated_at = :now
 WHERE id = :id AND state = 'claimed' AND attempts = :attempts
+  AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
+RETURNING attempts
+
+-- name: claim_and_send
+-- claim then send in one statement, for a head about to be written at once: the
+-- row goes out as attempt + 1, and is claimed only inside this statement.
+UPDATE messages SET state = 'inflight', attempts = attempts + 1, claim_epoch = :epoch,
+                    claimed_at = :now, sent_at = :now, updated_at = :now
+WHERE id = :id AND state = 'queued' AND next_attempt_at <= :now AND attempts = :attempts
   AND EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = :holder AND epoch = :epoch)
 RETURNING attempts
 

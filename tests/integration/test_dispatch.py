@@ -574,11 +574,18 @@ class TestProvablyUnsent:
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A row marked inflight whose session closed before its frame was written is resent, not failed."""
-        original = SqliteStore.mark_inflight
         box: dict[str, Any] = {}
 
-        def mark_then_lose_session(self: SqliteStore, *args: Any, **kwargs: Any) -> int:
-            attempt = original(self, *args, **kwargs)
+        def then_lose_session(original: Callable[..., int | None]) -> Callable[..., int | None]:
+            def mark(self: SqliteStore, *args: Any, **kwargs: Any) -> int | None:
+                attempt = original(self, *args, **kwargs)
+                if attempt is not None:
+                    lose_session()
+                return attempt
+
+            return mark
+
+        def lose_session() -> None:
             if not box.get("done"):
                 # Runs on the writer thread while the loop is free: the server
                 # drops the session after inflight is committed, before the write.
@@ -590,9 +597,10 @@ class TestProvablyUnsent:
                 while not session.closed:
                     assert time.monotonic() < deadline, "session did not close"
                     time.sleep(0.005)  # polling another thread's state with a deadline
-            return attempt
 
-        monkeypatch.setattr(SqliteStore, "mark_inflight", mark_then_lose_session)
+        # Both ways a row is marked inflight: a head claimed and sent in one statement, or a claimed one.
+        for name in ("claim_and_send", "mark_inflight"):
+            monkeypatch.setattr(SqliteStore, name, then_lose_session(getattr(SqliteStore, name)))
 
         async def scenario() -> None:
             async with dev_server(replay=False) as server:
@@ -604,6 +612,7 @@ class TestProvablyUnsent:
                     await until(lambda: state_of(agent, "U1") in ("processed", "failed"), 10, "U1 settled")
                     assert state_of(agent, "U1") == "processed"
                     assert [t.control_id for t in server.received] == ["U1"]
+            assert box.get("done"), "the session was never lost after an inflight mark"
 
         run(scenario())
 

@@ -11,7 +11,7 @@ backup of this queue.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -94,15 +94,18 @@ class TestOwnClockCheck:
         offset = [0.0]
         real_clock = dispatcher.lease_clock
         monkeypatch.setattr(dispatcher, "lease_clock", lambda: real_clock() + offset[0])
-        original = SqliteStore.mark_inflight
+        def then_stall(original: Callable[..., int | None]) -> Callable[..., int | None]:
+            def mark(self: SqliteStore, *args: Any, **kwargs: Any) -> int | None:
+                attempt = original(self, *args, **kwargs)
+                if attempt is not None and offset[0] == 0.0:
+                    offset[0] = TTL  # the process "slept" a whole TTL right after this commit
+                return attempt
 
-        def mark_then_stall(self: SqliteStore, *args: Any, **kwargs: Any) -> int:
-            attempt = original(self, *args, **kwargs)
-            if offset[0] == 0.0:
-                offset[0] = TTL  # the process "slept" a whole TTL right after this commit
-            return attempt
+            return mark
 
-        monkeypatch.setattr(SqliteStore, "mark_inflight", mark_then_stall)
+        # Both ways a row is marked inflight: a head claimed and sent in one statement, or a claimed one.
+        for name in ("claim_and_send", "mark_inflight"):
+            monkeypatch.setattr(SqliteStore, name, then_stall(getattr(SqliteStore, name)))
 
         async def scenario() -> None:
             with capture_logs() as logs:

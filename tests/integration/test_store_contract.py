@@ -348,6 +348,38 @@ class TestSendAndResend:
         assert harness.tx(lambda s: s.mark_inflight("h1", epoch, ids[0], head.state, head.attempts)) == 1
         assert harness.row(ids[0])["state"] == "inflight"
 
+    def test_claim_and_send_takes_a_due_queued_head_straight_to_inflight(self, harness: Harness) -> None:
+        """One statement, the same row as claim then send: attempt 1, claimed and sent stamps, the epoch."""
+        ids = queue_n(harness, 1)
+        epoch = acquire(harness, holder("h1"))
+        assert harness.tx(lambda s: s.claim_and_send("h1", epoch, ids[0], 0)) == 1
+        row = harness.row(ids[0])
+        assert (row["state"], row["attempts"], row["claim_epoch"]) == ("inflight", 1, epoch)
+        assert row["claimed_at"] == row["sent_at"] == harness.clock.now
+
+    def test_claim_and_send_moves_nothing_but_a_due_queued_row_at_its_attempts(self, harness: Harness) -> None:
+        """Not due, already claimed, another attempt count: None, and the row is left as it was."""
+        ids = queue_n(harness, 1)
+        epoch = acquire(harness, holder("h1"))
+        assert harness.tx(lambda s: s.claim_and_send("h1", epoch, ids[0], 3)) is None  # attempts differ
+        attempt = harness.tx(lambda s: s.claim_and_send("h1", epoch, ids[0], 0))
+        assert harness.tx(lambda s: s.claim_and_send("h1", epoch, ids[0], 0)) is None  # inflight now
+        due = harness.clock.now + 5
+        assert harness.tx(lambda s: s.requeue("h1", epoch, ids[0], attempt, due, server_status=503))
+        assert harness.tx(lambda s: s.claim_and_send("h1", epoch, ids[0], 1)) is None  # in its backoff
+        assert (harness.row(ids[0])["state"], harness.row(ids[0])["attempts"]) == ("queued", 1)
+        harness.clock.advance(5)
+        assert harness.tx(lambda s: s.claim_and_send("h1", epoch, ids[0], 1)) == 2
+
+    def test_claim_and_send_is_fenced(self, harness: Harness) -> None:
+        ids = queue_n(harness, 1)
+        epoch = acquire(harness, holder("h1"))
+        with pytest.raises(LeaseLost):
+            harness.tx(lambda s: s.claim_and_send("intruder", epoch, ids[0], 0))
+        with pytest.raises(LeaseLost):
+            harness.tx(lambda s: s.claim_and_send("h1", epoch + 1, ids[0], 0))
+        assert harness.row(ids[0])["state"] == "queued"
+
     def test_a_resend_needs_an_inflight_row(self, harness: Harness) -> None:
         """RESEND moves only inflight rows (its sources): a claimed row named as inflight is not sent."""
         ids = queue_n(harness, 1)
@@ -516,6 +548,20 @@ class TestChannelsAndStats:
         assert harness.store.paused_channels() == {"adt"}
         harness.tx(lambda s: s.resume_channel("adt"))
         assert harness.store.paused_channels() == set()
+
+    def test_the_head_comes_with_its_channels_pause_flag(self, harness: Harness) -> None:
+        """channel_head_and_pause: the head and the flag of its own channel, in one read."""
+        assert harness.store.channel_head_and_pause("adt") == (None, False)
+        ids = queue_n(harness, 1, "adt")
+        queue_n(harness, 1, "lab")
+        head, paused = harness.store.channel_head_and_pause("adt")
+        assert head is not None and head.id == ids[0] and head == harness.store.channel_head("adt")
+        assert paused is False
+        harness.tx(lambda s: s.pause_channel("adt", "rejected row"))
+        assert harness.store.channel_head_and_pause("adt")[1] is True
+        assert harness.store.channel_head_and_pause("lab")[1] is False
+        harness.tx(lambda s: s.resume_channel("adt"))
+        assert harness.store.channel_head_and_pause("adt")[1] is False
 
     def test_pausing_a_fresh_channel_keeps_seq_numbering_from_one(self, harness: Harness) -> None:
         """A pause before any intake does not disturb the seq counter."""

@@ -65,7 +65,8 @@ class TestSameQueries:
 
     def test_the_fence_is_in_every_dispatch_write(self) -> None:
         """Each fenced transition checks the lease holder and epoch in its own statement, on PostgreSQL too."""
-        for name in ("claim", "send", "resend", "settle", "requeue", "fail_live", "recover_claimed"):
+        for name in ("claim", "send", "claim_and_send", "resend", "settle", "requeue", "fail_live",
+                     "recover_claimed"):
             sql = without_comments(PG_QUERIES[name])
             assert "EXISTS (SELECT 1 FROM lease WHERE name = 'dispatch' AND holder = %(holder)s " \
                    "AND epoch = %(epoch)s)" in sql, name

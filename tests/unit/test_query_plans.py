@@ -31,6 +31,7 @@ HOT: dict[str, tuple[str, str]] = {
     "channel_head": ("messages_live_head (channel=?)", "messages"),
     "claim": ("sqlite_autoindex_messages_1 (id=?)", "messages"),
     "send": ("sqlite_autoindex_messages_1 (id=?)", "messages"),
+    "claim_and_send": ("sqlite_autoindex_messages_1 (id=?)", "messages"),
     "resend": ("sqlite_autoindex_messages_1 (id=?)", "messages"),
     "settle": ("sqlite_autoindex_messages_1 (id=?)", "messages"),
     "requeue": ("sqlite_autoindex_messages_1 (id=?)", "messages"),
