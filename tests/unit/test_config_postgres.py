@@ -136,6 +136,18 @@ class TestShown:
         assert 'dsn = "postgresql://hl7:***@db:5432/hl7"' in text and "s3cret" not in text
         assert 'backend = "postgresql"' in text
 
+    def test_check_config_output_loads_back_as_the_same_configuration(self, tmp_path: Path) -> None:
+        """The SQLite-only keys, which this backend refuses, are comments in its output, not keys."""
+        path = write(tmp_path, 'backend = "postgresql"\ndsn = "postgresql://hl7@db:5432/hl7"')
+        settings = load_settings(str(path), {})
+        text = render_effective(settings)
+        assert '# synchronous: SQLite only, not used with backend = "postgresql"' in text
+        again = tmp_path / "again.toml"
+        again.write_text(text)
+        reloaded = load_settings(str(again), {})
+        assert reloaded.queue == settings.queue
+        assert render_effective(reloaded).splitlines()[2:] == text.splitlines()[2:]
+
     def test_missing_psycopg_is_one_line_with_the_fix(self, tmp_path: Path) -> None:
         """Without the postgresql extra, check-config exits 2 saying what to install."""
         path = write(tmp_path, 'backend = "postgresql"\ndsn = "host=db"')

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, SecretStr
 
-from agent.app.config.models import _SECTIONS, Settings
+from agent.app.config.models import _SECTIONS, SQLITE_ONLY_KEYS, Settings
 from agent.app.config.values import _mask_url
 from agent.storage.conninfo import mask_dsn
 
@@ -30,13 +30,17 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot render {type(value).__name__} as TOML")
 
 
-def _render_section(model: BaseModel, prefix: str, sources: dict[str, str]) -> list[str]:
+def _render_section(model: BaseModel, prefix: str, sources: dict[str, str],
+                    unused: tuple[str, ...] = ()) -> list[str]:
+    """``unused``: keys shown as a comment only (given, they would be refused)."""
     lines = []
     for key in type(model).model_fields:
         value = getattr(model, key)
         origin = sources.get(f"{prefix}.{key}")
         note = f"  # from {origin}" if origin else ""
-        if isinstance(value, SecretStr):
+        if key in unused:
+            lines.append(f'# {key}: SQLite only, not used with backend = "postgresql"')
+        elif isinstance(value, SecretStr):
             lines.append(f'{key} = "***"{note}')
         elif key in ("url", "proxy") and isinstance(value, str):
             lines.append(f"{key} = {_toml_value(_mask_url(value))}{note}")
@@ -55,7 +59,9 @@ def render_effective(settings: Settings) -> str:
     """The effective configuration as TOML: every key, defaults included, secrets masked.
 
     Durations are rendered in seconds and sizes in bytes, so the output loads
-    back as the same configuration (apart from the masked token).
+    back as the same configuration (apart from masked secrets: the token, and
+    a password in ``dsn``, ``url`` or ``proxy``). With ``backend = "postgresql"``
+    the SQLite-only keys are comments, since that backend refuses them.
     """
     sources = settings._env_sources
     origin = str(settings.config_path) if settings.config_path else "environment only"
@@ -65,7 +71,8 @@ def render_effective(settings: Settings) -> str:
         "# durations in seconds, sizes in bytes",
     ]
     for name in _SECTIONS:
-        lines += ["", f"[{name}]", *_render_section(getattr(settings, name), name, sources)]
+        unused = SQLITE_ONLY_KEYS if name == "queue" and settings.queue.backend == "postgresql" else ()
+        lines += ["", f"[{name}]", *_render_section(getattr(settings, name), name, sources, unused)]
     channel_note = f"  # from {sources['channels']}" if "channels" in sources else ""
     if not settings.channels:
         lines += ["", f"# no channels configured: nothing will be received{channel_note}"]
