@@ -85,6 +85,17 @@ class TestBenchSmoke:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "CPU per message best" in proc.stdout
 
+    def test_dispatch_cycle_measures_the_writer_per_delivered_message(self, tmp_path: Path) -> None:
+        """bench/dispatch_cycle.py drains a real queue file through the writer; it checks every row settled."""
+        out = tmp_path / "cycle.json"
+        proc = subprocess.run([sys.executable, str(BENCH / "dispatch_cycle.py"), "--smoke", "--json", str(out)],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "µs CPU per delivered message" in proc.stdout
+        (run,) = json.loads(out.read_text())["runs"]
+        # Four strict channels drained together: one settle of each per commit, never more.
+        assert 3.0 <= run["msgs_per_commit"] <= 4.0 and run["statements_per_msg"] > 0
+
     def test_e2e_checks_every_message_delivered_once_in_order(self, tmp_path: Path) -> None:
         """bench/e2e.py delivers through a local upstream server and verifies the delivery."""
         result = run_bench("e2e.py", tmp_path)
