@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import ipaddress
 import signal
 import socket
@@ -38,7 +39,7 @@ from agent.errors import AdminListenInUse, ConfigError, StartupError, StorageErr
 from agent.runtime import adoption, audit, sockets
 from agent.runtime.admin import AdminServer, LoopHeartbeat, RuntimeView
 from agent.runtime.aio import cancel_and_wait, unless
-from agent.runtime.handover import HandoverServer, receive_handover
+from agent.runtime.handover import HandoverServer, receive_handover, receive_republished
 from agent.runtime.metrics import AgentMetrics
 from agent.runtime.mllp_server import ChannelListener, IntakeContext
 from agent.runtime.outbound import OutboundChannel
@@ -57,6 +58,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 HANDOVER_SOCKET = "handover.sock"
+#: How long a start whose port is taken waits for a predecessor to serve its listeners again
+#: (its successor was killed, leaving a dead socket file: HandoverServer rechecks every second).
+HANDOVER_REPUBLISH_WAIT = 3.0
 #: At shutdown without a successor: time kept to answer held application ACKs AR and close after
 #: (the lingering close waits up to 2 s for the sender to close its side).
 HELD_ACK_GRACE = 2.5
@@ -179,6 +183,17 @@ class Agent:
                     channel.host, channel.port, reuse_port=reuse_port
                 )
             except OSError as exc:
+                handover_path = self.settings.agent.data_dir / HANDOVER_SOCKET
+                if exc.errno == errno.EADDRINUSE and handover_path.exists():
+                    # Perhaps a predecessor of ours, about to serve its listeners again.
+                    for name, sock in (await receive_republished(handover_path, HANDOVER_REPUBLISH_WAIT) or {}).items():
+                        if name in channels and name not in found:
+                            found[name] = to_store[name] = sock
+                        else:
+                            sock.close()
+                    if channel.name in found:
+                        log.info("listeners_received_by_handover", channels=[channel.name])
+                        continue
                 # A runtime failure (exit 1), not a configuration error: the
                 # same config works once the port is free.
                 error = exc.strerror or str(exc)

@@ -61,6 +61,8 @@ class HandoverServer:
         self._accept_task: asyncio.Task[None] | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self._conn_tasks: set[asyncio.Task[None]] = set()
+        #: The process our listeners went to last, while it may still be serving at ``path``.
+        self._successor_pid: int | None = None
         self.handed_over = asyncio.Event()
 
     async def start(self) -> None:
@@ -114,18 +116,38 @@ class HandoverServer:
         current = self._path_identity()
         return self.handed_over.is_set() and current is not None and current != self._identity
 
+    def _successor_left_a_dead_socket(self) -> bool:
+        """Our successor died (kill -9, a crash) and its socket at ``path`` answers no one."""
+        pid = self._successor_pid
+        if pid is None or _running(pid):
+            return False
+        self._successor_pid = None  # looked at once per successor
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.setblocking(False)
+        try:
+            probe.connect(str(self.path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return True
+        except OSError:
+            return False  # someone serves there (a backlog full, a new server coming up)
+        finally:
+            probe.close()
+        return False  # a newer process serves there: leave it
+
     async def _watch(self) -> None:
-        """Publish our server again when ``path`` vanished.
+        """Publish our server again when ``path`` vanished or its successor's socket died.
 
         A successor that took our listeners supersedes our path; if it then
-        fails and exits (an upgrade rolled back) it removes the path, and
-        without this the next attempt would find no one to take over from and
+        fails and exits (an upgrade rolled back) it removes the path, and if
+        it is killed it leaves its socket file behind with no one listening.
+        Without this the next attempt would find no one to take over from and
         fail to bind a port we still hold. A path superseded by a live
         successor is left alone.
         """
         while True:
             await asyncio.sleep(self._recheck_interval)
-            if self._path_identity() is not None:
+            current = self._path_identity()
+            if current is not None and (current == self._identity or not self._successor_left_a_dead_socket()):
                 continue
             try:
                 sock, identity = self._bind()
@@ -174,7 +196,35 @@ class HandoverServer:
                 log.warning("handover_failed", peer_pid=peer_pid, error="no ok from successor")
                 return
         log.info("listeners_handed_over", names=names, successor_pid=peer_pid)
+        self._successor_pid = peer_pid if peer_pid > 0 else None
         self.handed_over.set()
+
+
+async def receive_republished(path: Path, within: float) -> dict[str, socket.socket] | None:
+    """:func:`receive_handover`, tried until ``within`` seconds passed: for a port found taken.
+
+    A predecessor still holding the listeners whose successor was killed
+    serves at ``path`` again within its recheck interval (a second); a
+    process started in that second found only the dead file.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        handed = await receive_handover(path)
+        if handed is not None or loop.time() >= deadline:
+            return handed
+        await asyncio.sleep(0.1)  # the predecessor's recheck, not a peer we could wait on
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (dead, not yet reaped by its parent) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell: leave its socket alone
+    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
 
 
 async def receive_handover(path: Path, timeout: float = 5.0) -> dict[str, socket.socket] | None:

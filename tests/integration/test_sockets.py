@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from agent.errors import HandoverError
-from agent.runtime.handover import HandoverServer, receive_handover
+from agent.runtime.handover import HandoverServer, receive_handover, receive_republished
 from agent.runtime.sockets import (
     bind_listener,
     inherited_sockets,
@@ -323,6 +323,95 @@ class TestHandover:
                 finally:
                     await old.close()
                 assert not path.exists()
+
+        asyncio.run(scenario())
+
+    def test_predecessor_republishes_over_a_killed_successors_socket(self, tmp_path: Path) -> None:
+        """A successor killed with -9 leaves its socket file, answering no one: the predecessor serves again.
+
+        Otherwise the next process would find that dead file, bind, and fail on
+        the port the predecessor still holds. While the successor lives, its
+        path is left alone.
+        """
+        path = tmp_path / "handover.sock"
+        child = textwrap.dedent(
+            """
+            import asyncio, sys
+            from pathlib import Path
+            import structlog
+            from agent.runtime.handover import HandoverServer, receive_handover, receive_republished
+
+            structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+            async def main():
+                socks = await receive_handover(Path(sys.argv[1]))
+                server = HandoverServer(Path(sys.argv[1]), lambda: dict(socks))
+                await server.start()
+                print("serving", flush=True)
+                await asyncio.sleep(60)
+
+            asyncio.run(main())
+            """
+        )
+
+        async def scenario() -> None:
+            with _listeners("adt") as socks:
+                old = HandoverServer(path, lambda: dict(socks), recheck_interval=0.02)
+                await old.start()
+                mine = os.stat(path).st_ino
+                proc = await asyncio.create_subprocess_exec(PY, "-c", child, str(path), stdout=asyncio.subprocess.PIPE)
+                try:
+                    assert proc.stdout is not None
+                    async with asyncio.timeout(20):
+                        assert await proc.stdout.readline() == b"serving\n"
+                        await old.handed_over.wait()
+                    theirs = os.stat(path).st_ino
+                    assert theirs != mine
+                    await asyncio.sleep(0.2)  # ten of the predecessor's rechecks: a live successor keeps its path
+                    assert os.stat(path).st_ino == theirs
+                    proc.kill()
+                    await proc.wait()
+                    assert os.stat(path).st_ino == theirs  # the dead successor's file is still there
+                    async with asyncio.timeout(5):
+                        while os.stat(path).st_ino == theirs:
+                            await asyncio.sleep(0.01)  # polling with a deadline
+                    again = await receive_handover(path)
+                    assert again is not None and _port(again["adt"]) == _port(socks["adt"])
+                    for sock in again.values():
+                        sock.close()
+                finally:
+                    if proc.returncode is None:
+                        proc.kill()
+                        await proc.wait()
+                    await old.close()
+
+        asyncio.run(scenario())
+
+    def test_a_start_that_found_a_dead_file_waits_for_the_republished_server(self, tmp_path: Path) -> None:
+        """receive_republished: a dead socket file now, a server there a moment later: its listeners."""
+        path = tmp_path / "handover.sock"
+        dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        dead.bind(str(path))
+        dead.close()
+
+        async def scenario() -> None:
+            with _listeners("adt") as socks:
+                server = HandoverServer(path, lambda: dict(socks))
+
+                async def later() -> None:
+                    await asyncio.sleep(0.3)  # the predecessor's recheck, some time after the failed start
+                    await server.start()
+
+                publish = asyncio.create_task(later())
+                try:
+                    got = await receive_republished(path, within=5.0)
+                    assert got is not None and _port(got["adt"]) == _port(socks["adt"])
+                    for sock in got.values():
+                        sock.close()
+                    assert await receive_republished(tmp_path / "nobody.sock", within=0.2) is None
+                finally:
+                    await publish
+                    await server.close()
 
         asyncio.run(scenario())
 

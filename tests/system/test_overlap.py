@@ -229,6 +229,36 @@ def test_successor_without_its_own_admin_address_still_takes_over(tmp_path: Path
         assert new.stop() == 0
 
 
+def test_a_third_process_starts_after_the_newer_one_of_an_overlap_was_killed(tmp_path: Path) -> None:
+    """kill -9 of the newer process leaves its dead handover socket: the next one still gets the listeners.
+
+    The older process still holds the port, so binding fails; it serves its
+    listeners again (within its second's recheck) and the third takes them
+    from it, started at once after the kill, as a service manager restarts.
+    """
+    port = free_port()
+    config = toml_config(tmp_path / "data", [{"name": "adt", "listen": f"127.0.0.1:{port}"}],
+                         admin_port=free_port())
+    old = Daemon(tmp_path, config, name="old")
+    new = Daemon(tmp_path, config, name="new", env={"HL7_AGENT_ADMIN__LISTEN": f"127.0.0.1:{free_port()}"})
+    third = Daemon(tmp_path, config, name="third", env={"HL7_AGENT_ADMIN__LISTEN": f"127.0.0.1:{free_port()}"})
+    try:
+        old.start().wait_started()
+        new.start().wait_started()
+        assert new.has_event("listeners_inherited", source="handover"), new.log_tail()
+        new.kill()
+        third.start().wait_started()
+        assert third.has_event("listeners_received_by_handover"), third.log_tail()
+        assert old.has_event("handover_server_republished"), old.log_tail()
+        assert old.stop() == 0
+        with MllpClient(port) as client:
+            assert ack_code(client.exchange(hl7_message("AFTER-KILL"))) == "AA"
+    finally:
+        new.kill()
+        old.stop()
+        assert third.stop() == 0
+
+
 def test_pipelining_sender_keeps_every_ack_across_the_overlap(tmp_path: Path) -> None:
     """A sender that writes frames back to back, without waiting, gets one AA per frame, in order, across an upgrade."""
     port = free_port()
