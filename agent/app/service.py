@@ -32,7 +32,7 @@ import structlog
 
 from agent import __version__
 from agent.app import overlap
-from agent.app.config import Settings
+from agent.app.config import ChannelSettings, Settings
 from agent.app.preflight import data_dir_problem, file_warnings, log_start_failure, tls_problem
 from agent.core.timefmt import rfc3339
 from agent.errors import AdminListenInUse, ConfigError, StartupError, StorageError
@@ -160,13 +160,9 @@ class Agent:
         missing = channels.keys() - found.keys()
         if missing:
             handed = await receive_handover(self.settings.agent.data_dir / HANDOVER_SOCKET)
-            for name, sock in (handed or {}).items():
-                if name in missing:
-                    found[name] = to_store[name] = sock
-                else:
-                    sock.close()
-            if handed:
-                log.info("listeners_received_by_handover", channels=sorted(set(handed) & missing))
+            taken = self._take_handed(handed or {}, channels, missing, found, to_store)
+            if taken:
+                log.info("listeners_received_by_handover", channels=taken)
         reuse_port = self.settings.agent.reuse_port
         for index, channel in enumerate(self.settings.channels):
             if channel.name in found or channel.outbound:
@@ -186,11 +182,8 @@ class Agent:
                 handover_path = self.settings.agent.data_dir / HANDOVER_SOCKET
                 if exc.errno == errno.EADDRINUSE and handover_path.exists():
                     # Perhaps a predecessor of ours, about to serve its listeners again.
-                    for name, sock in (await receive_republished(handover_path, HANDOVER_REPUBLISH_WAIT) or {}).items():
-                        if name in channels and name not in found:
-                            found[name] = to_store[name] = sock
-                        else:
-                            sock.close()
+                    handed = await receive_republished(handover_path, HANDOVER_REPUBLISH_WAIT)
+                    self._take_handed(handed or {}, channels, channels.keys() - found.keys(), found, to_store)
                     if channel.name in found:
                         log.info("listeners_received_by_handover", channels=[channel.name])
                         continue
@@ -203,6 +196,28 @@ class Agent:
                 ) from exc
         sockets.store_listeners(to_store)
         return found
+
+    @staticmethod
+    def _take_handed(handed: dict[str, socket.socket], channels: dict[str, ChannelSettings], missing: set[str],
+                     found: dict[str, socket.socket], to_store: dict[str, socket.socket]) -> list[str]:
+        """Keep the predecessor's listeners of ``missing`` channels that are where ours must listen.
+
+        One bound elsewhere (the channel's ``listen`` changed in this
+        version) is closed, and the channel binds its new address: the
+        predecessor keeps serving the old one until it stops.
+        """
+        taken = []
+        for name, sock in handed.items():
+            channel = channels.get(name)
+            if name in missing and channel is not None and sockets.same_address(sock, channel.host, channel.port):
+                found[name] = to_store[name] = sock
+                taken.append(name)
+                continue
+            if name in missing and channel is not None:
+                log.info("handed_listener_not_used", channel=name, reason="listen changed",
+                         listen=channel.listen)
+            sock.close()
+        return sorted(taken)
 
     def _view(self) -> RuntimeView:
         assert self.reader is not None

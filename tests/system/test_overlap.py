@@ -259,6 +259,29 @@ def test_a_third_process_starts_after_the_newer_one_of_an_overlap_was_killed(tmp
         assert third.stop() == 0
 
 
+def test_a_listen_address_changed_in_the_new_version_is_bound_not_inherited(tmp_path: Path) -> None:
+    """The predecessor's listener for a channel whose listen changed is not taken: the new address is served."""
+    old_port, new_port = free_port(), free_port()
+    old = Daemon(tmp_path, toml_config(tmp_path / "data", [{"name": "adt", "listen": f"127.0.0.1:{old_port}"}],
+                                       admin_port=free_port()), name="old")
+    new = Daemon(tmp_path, toml_config(tmp_path / "data", [{"name": "adt", "listen": f"127.0.0.1:{new_port}"}],
+                                       admin_port=free_port()), name="new")
+    try:
+        old.start().wait_started()
+        new.start().wait_started()
+        assert new.has_event("handed_listener_not_used", channel="adt"), new.log_tail()
+        assert not new.has_event("listeners_received_by_handover"), new.log_tail()
+        for port in (old_port, new_port):  # the old version keeps its address until it stops
+            with MllpClient(port) as client:
+                assert ack_code(client.exchange(hl7_message(f"P{port}"))) == "AA"
+        assert old.stop() == 0
+        with MllpClient(new_port) as client:
+            assert ack_code(client.exchange(hl7_message("AFTER"))) == "AA"
+    finally:
+        old.stop()
+        assert new.stop() == 0
+
+
 def test_pipelining_sender_keeps_every_ack_across_the_overlap(tmp_path: Path) -> None:
     """A sender that writes frames back to back, without waiting, gets one AA per frame, in order, across an upgrade."""
     port = free_port()
