@@ -19,14 +19,13 @@ statements per message (SQLite's own trace: BEGIN and COMMIT included),
 messages per commit, and the wall rate. The median of ``--repeat`` runs is
 the figure to compare. ``--tree=DIR`` imports another checkout's agent (a
 ``git worktree add --detach DIR <commit>``): run both, alternating, for an
-A/B. It uses two of the runtime's inner functions (``_settle_and_next``,
-``_claim_and_mark``): if they change, this is what to adapt.
+A/B. It uses one of the runtime's inner functions (``_settle_and_next``):
+if it changes, this is what to adapt.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -43,7 +42,7 @@ import backlog  # noqa: E402 - bench/harness.py puts this checkout first on the 
 
 sys.path.insert(0, _TREE or str(Path(__file__).resolve().parent.parent))
 
-from agent.core.dispatch import ChannelPolicy, SessionFacts, Settle, decide_head  # noqa: E402
+from agent.core.dispatch import ChannelPolicy, SessionFacts, Settle  # noqa: E402
 from agent.core.protocol import TransmitResponse  # noqa: E402
 from agent.core.states import State  # noqa: E402
 from agent.runtime import channel_worker  # noqa: E402
@@ -74,9 +73,10 @@ def one_run(workdir: Path, rows: int, channels: int) -> dict[str, Any]:
         for name in names:
             head = writer.submit(SqliteStore.channel_head, name).result(30)
             assert head is not None, f"channel {name} has no head"
-            send = decide_head(dataclasses.replace(head, state=State.CLAIMED), policies[name][0], facts, time.time())
-            attempt = writer.submit(channel_worker._claim_and_mark, me.holder, epoch, send).result(30)
-            assert attempt is not None
+            # Set up with the store calls every tree has (not measured): claim, then mark in flight.
+            assert writer.submit(SqliteStore.claim, me.holder, epoch, head.id).result(30)
+            attempt = writer.submit(SqliteStore.mark_inflight, me.holder, epoch, head.id, State.CLAIMED,
+                                    head.attempts).result(30)
             current[name] = (head.id, attempt)
         statements = [0]
 

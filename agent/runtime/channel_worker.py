@@ -81,15 +81,6 @@ QUICK_ANSWER_SECONDS = 0.005
 # -- the store calls, one per action ---------------------------------------------
 
 
-def _claim_and_mark(store: SqliteStore, holder: str, epoch: int, send: Send) -> int | None:
-    """Event.CLAIM and Event.SEND in one statement: the new attempt number, or None if the claim failed.
-
-    One fsync instead of two on the way out; the row is still provably
-    unsent until this commit returns, as with two.
-    """
-    return store.claim_and_send(holder, epoch, send.id, send.attempts)
-
-
 def _settle(store: SqliteStore, holder: str, epoch: int, a: Settle) -> bool:
     """Event.SETTLE for this attempt; with ``a.pause``, the channel's pause flag in the same commit."""
     done = store.settle(
@@ -141,7 +132,7 @@ def _settle_and_next(
     send = decide_head(claimed, policy, facts, now)
     if not isinstance(send, Send):
         return True, None
-    attempt = _claim_and_mark(store, holder, epoch, send)
+    attempt = store.claim_and_send(holder, epoch, send.id, send.attempts)
     return True, None if attempt is None else _Next(claimed, send, policy, attempt)
 
 
@@ -307,7 +298,8 @@ class ChannelWorker:
         ctx.sending.add(head.id)
         try:
             if claim:
-                attempt = await ctx.writer.call(_claim_and_mark, ctx.holder, self.epoch, send)
+                attempt = await ctx.writer.call(SqliteStore.claim_and_send, ctx.holder, self.epoch, send.id,
+                                                send.attempts)
                 if attempt is None:
                     return  # the row changed since it was read (an operator): look again
             else:

@@ -36,6 +36,7 @@ from agent.runtime.unixsock import (
     read_line,
     send_all,
 )
+from agent.storage.liveness import process_exited
 
 log = structlog.get_logger(__name__)
 
@@ -119,7 +120,7 @@ class HandoverServer:
     def _successor_left_a_dead_socket(self) -> bool:
         """Our successor died (kill -9, a crash) and its socket at ``path`` answers no one."""
         pid = self._successor_pid
-        if pid is None or _running(pid):
+        if pid is None or not process_exited(pid):
             return False
         self._successor_pid = None  # looked at once per successor
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -214,17 +215,6 @@ async def receive_republished(path: Path, within: float) -> dict[str, socket.soc
         if handed is not None or loop.time() >= deadline:
             return handed
         await asyncio.sleep(0.1)  # the predecessor's recheck, not a peer we could wait on
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs; a zombie (dead, not yet reaped by its parent) does not."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True  # cannot tell: leave its socket alone
-    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
 
 
 async def receive_handover(path: Path, timeout: float = 5.0) -> dict[str, socket.socket] | None:

@@ -79,6 +79,12 @@ def process_start_ticks(pid: int) -> int | None:
 _EXITED_STATES = frozenset({"Z", "X"})
 
 
+def process_exited(pid: int) -> bool:
+    """No such PID, or it exited and waits to be reaped (a zombie): it runs no code."""
+    found = _process_stat(pid)
+    return found is None or found[0] in _EXITED_STATES
+
+
 def holder_provably_dead(pid: int | None, boot: str | None, pidns: str | None, start: int | None) -> bool:
     """Same boot and PID namespace, and the PID is gone, reused, or has exited unreaped (a zombie).
 
