@@ -403,3 +403,72 @@ class TestWalCheckpoints:
         results = [writer.submit(SqliteStore.intake_batch, [_intake_item(n)]).result(10) for n in range(80)]
         assert [r.outcome for (r,) in results] == ["accepted"] * 80
         assert calls, "no checkpoint fell due"
+
+
+class TestIntakeHandOver:
+    """Intake groups of one loop turn reach the writer thread together (Writer._hand_over_intake)."""
+
+    def test_groups_of_one_loop_turn_share_one_commit(self, writer: Writer) -> None:
+        """Eight senders' frames read in one loop turn: one batch, though the thread was free meanwhile.
+
+        Between the groups the loop lets go of the GIL for 5 ms each (as it
+        does at every socket read): a group queued at once would have been
+        taken alone by the idle thread and committed before the next came.
+        """
+        async def one_turn() -> list[tuple[object, BaseException | None]]:
+            loop = asyncio.get_running_loop()
+            answers: list[asyncio.Future[tuple[object, BaseException | None]]] = []
+            for n in range(8):
+                answer: asyncio.Future[tuple[object, BaseException | None]] = loop.create_future()
+                writer.intake([_intake_item(100 + n)],
+                              lambda results, error, answer=answer: answer.set_result((results, error)), loop)
+                answers.append(answer)
+                time.sleep(0.005)  # noqa: ASYNC251 - the GIL let go, as a socket read does; not a synchronisation
+            return await asyncio.gather(*answers)
+
+        before = writer.batches
+        answers = asyncio.run(one_turn())
+        assert all(error is None for _, error in answers)
+        assert writer.batches - before <= 2  # one; two if the OS paused the loop between two puts
+
+    def test_close_within_the_turn_still_commits_its_groups(self, tmp_path: Path) -> None:
+        """close() from the loop before the turn ended: the groups of that turn are committed, then it stops."""
+        path = tmp_path / "data" / "queue.db"
+        conn = db.open_database(path, "writer-test", db.DatabaseOptions(), time.time())
+        w = Writer(SqliteStore(conn, db.load_queries(), db_path=path))
+        w.start()
+        answers: list[tuple[object, BaseException | None]] = []
+
+        async def intake_then_close() -> None:
+            loop = asyncio.get_running_loop()
+            w.intake([_intake_item(200)], lambda results, error: answers.append((results, error)), loop)
+            w.close()
+            await asyncio.sleep(0)  # the answer's callback, queued by the writer thread, runs on the loop
+
+        asyncio.run(intake_then_close())
+        check = db.open_database(path, "writer-test", db.DatabaseOptions(), time.time())
+        try:
+            assert check.execute("SELECT count(*) FROM messages WHERE control_id = 'CK000200'").fetchone() == (1,)
+        finally:
+            check.close()
+        assert len(answers) == 1 and answers[0][1] is None
+
+    def test_groups_handed_over_after_close_are_answered_closed(self, tmp_path: Path) -> None:
+        """A group whose turn ends after close() (from another thread) is told the writer is closed, not left hanging."""
+        path = tmp_path / "data" / "queue.db"
+        conn = db.open_database(path, "writer-test", db.DatabaseOptions(), time.time())
+        w = Writer(SqliteStore(conn, db.load_queries(), db_path=path))
+        w.start()
+
+        async def intake_across_close() -> tuple[object, BaseException | None]:
+            loop = asyncio.get_running_loop()
+            done: asyncio.Future[tuple[object, BaseException | None]] = loop.create_future()
+            w.intake([_intake_item(300)], lambda results, error: done.set_result((results, error)), loop)
+            closer = threading.Thread(target=w.close)
+            closer.start()
+            closer.join(10)  # the loop is held here: its turn ends after the stop marker was queued
+            async with asyncio.timeout(10):
+                return await done
+
+        results, error = asyncio.run(intake_across_close())
+        assert results is None and error is not None and "closed" in str(error)
