@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import sqlite3
@@ -63,8 +64,40 @@ def members_of(ack_batch: bytes) -> list[bytes]:
     return list(batch.members)
 
 
+def _ephemeral_ports() -> range:
+    """The kernel's range for the local ports of outgoing connections (ip(7): ip_local_port_range)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+_port_picks = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A free TCP port on 127.0.0.1 below the ephemeral range.
+
+    A port the kernel hands out for bind(0) comes from the range it also
+    gives outgoing connections: between this call and the daemon's bind,
+    any connect() (the daemon before, its database, a dev server) may take
+    it as its local port, and the bind fails with EADDRINUSE. Below that
+    range only another listener can take it.
+    """
+    ephemeral = _ephemeral_ports()
+    top = min(ephemeral.start, 65536) - 1
+    for _ in range(200):
+        port = _port_picks.randint(min(20000, top - 1000), top)
+        if port in ephemeral:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # nothing free below it: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

@@ -21,7 +21,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -60,9 +59,9 @@ def unavailable_reason() -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from agenttest import free_port  # below the ephemeral range: see there
+
+    return free_port()
 
 
 def _server_user() -> pwd.struct_passwd | None:
