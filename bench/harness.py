@@ -20,7 +20,6 @@ import platform
 import resource
 import shutil
 import signal
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -152,9 +151,13 @@ def stop_on_sigterm() -> None:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port on 127.0.0.1 that no outgoing connection can take first (tests/agenttest.py)."""
+    tests = str(BENCH.parent / "tests")  # this checkout's, whatever REPO points at
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from agenttest import free_port as below_the_ephemeral_range
+
+    return below_the_ephemeral_range()
 
 
 def _clean_env() -> dict[str, str]:
