@@ -8,6 +8,7 @@ Waiting is by polling with a deadline, never a bare sleep.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import random
@@ -74,6 +75,8 @@ def _ephemeral_ports() -> range:
 
 
 _port_picks = random.Random()
+#: Ports handed out lately: a caller binds them later, so a free one may be handed out twice.
+_handed_out: collections.deque[int] = collections.deque(maxlen=2000)
 
 
 def free_port() -> int:
@@ -87,16 +90,17 @@ def free_port() -> int:
     """
     ephemeral = _ephemeral_ports()
     top = min(ephemeral.start, 65536) - 1
-    for _ in range(200):
-        port = _port_picks.randint(min(20000, top - 1000), top)
-        if port in ephemeral:
+    for _ in range(200 if top >= 4096 else 0):
+        port = _port_picks.randint(min(20000, top - 2000), top)
+        if port in ephemeral or port in _handed_out:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _handed_out.append(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # nothing free below it: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
