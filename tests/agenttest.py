@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import os
 import random
@@ -65,13 +66,13 @@ def members_of(ack_batch: bytes) -> list[bytes]:
     return list(batch.members)
 
 
-def _ephemeral_ports() -> range:
-    """The kernel's range for the local ports of outgoing connections (ip(7): ip_local_port_range)."""
+@functools.cache
+def _first_ephemeral_port() -> int:
+    """Where the kernel's local ports for outgoing connections begin (ip(7): ip_local_port_range)."""
     try:
-        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        low, high = 32768, 60999
-    return range(low, high + 1)
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 _port_picks = random.Random()
@@ -88,11 +89,10 @@ def free_port() -> int:
     it as its local port, and the bind fails with EADDRINUSE. Below that
     range only another listener can take it.
     """
-    ephemeral = _ephemeral_ports()
-    top = min(ephemeral.start, 65536) - 1
+    top = min(_first_ephemeral_port(), 65536) - 1
     for _ in range(200 if top >= 4096 else 0):
         port = _port_picks.randint(min(20000, top - 2000), top)
-        if port in ephemeral or port in _handed_out:
+        if port in _handed_out:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from agenttest import free_port  # below the ephemeral range: see there
+
 __all__ = ["PgDatabase", "PostgresServer", "find_bin_dir", "unavailable_reason"]
 
 _databases = itertools.count(1)
@@ -56,12 +58,6 @@ def unavailable_reason() -> str | None:
     except ImportError:
         return "psycopg is not installed (pip install -e '.[test]' installs it)"
     return None
-
-
-def _free_port() -> int:
-    from agenttest import free_port  # below the ephemeral range: see there
-
-    return free_port()
 
 
 def _server_user() -> pwd.struct_passwd | None:
@@ -95,7 +91,7 @@ class PostgresServer:
         self.data = self.base / "data"
         self.sockets = self.base / "sock"
         self.log = self.base / "server.log"
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.user = "hl7agent"
         self.password = "test-password-not-secret"
         self._account = _server_user()
