@@ -152,6 +152,15 @@ class TestBenchSmoke:
         assert result["connections"] == 50
         assert result["rss_idle"] > 0 and result["rss_after_one_message"] > 0
 
+    def test_threads_splits_the_cpu_per_message_by_thread(self, tmp_path: Path) -> None:
+        """bench/threads.py gives each connection count's CPU per message, loop and writer apart."""
+        result = run_bench("threads.py", tmp_path)
+        assert [r["connections"] for r in result["runs"]] == [16, 1]
+        for run in result["runs"]:
+            cpu = run["cpu_us_per_msg"]
+            assert run["messages"] > 0 and cpu["loop"]["us"] > 0 and cpu["writer"]["us"] > 0
+            assert cpu["total"]["us"] == pytest.approx(cpu["loop"]["us"] + cpu["writer"]["us"] + cpu["rest"]["us"])
+
 
 class ScriptedMllpServer:
     """An MLLP server on a thread: drops the first connection at message ``drop_at``, answers AE at ``ae_at``."""
