@@ -161,6 +161,13 @@ class TestBenchSmoke:
             assert run["messages"] > 0 and cpu["loop"]["us"] > 0 and cpu["writer"]["us"] > 0
             assert cpu["total"]["us"] == pytest.approx(cpu["loop"]["us"] + cpu["writer"]["us"] + cpu["rest"]["us"])
 
+    def test_commit_floor_times_frames_and_fdatasync(self, tmp_path: Path) -> None:
+        """bench/commit_floor.py times N frame writes + fdatasync for each N, and leaves no file behind."""
+        result = run_bench("commit_floor.py", tmp_path, "--frames", "1", "12", "--workdir", str(tmp_path / "wd"))
+        assert [r["frames"] for r in result["rows"]] == [1, 12]
+        assert all(0 < r["median_us"] <= r["p90_us"] for r in result["rows"])
+        assert list((tmp_path / "wd").iterdir()) == []
+
 
 class ScriptedMllpServer:
     """An MLLP server on a thread: drops the first connection at message ``drop_at``, answers AE at ``ae_at``."""
