@@ -76,6 +76,11 @@ SPACE_RECHECK_BYTES = 16 * 1024 * 1024
 #: for zero bytes passes on a file that refuses every real message.
 PROBE_MESSAGE_BYTES = 256
 
+#: How long a message refused for room keeps readiness down while it still would not fit
+#: (docs/operations.md#healthz-and-readyz): a sender resending it every few seconds keeps
+#: the node "in backpressure"; one that gave up for good stops counting after this.
+REFUSAL_SHOWN_S = 60.0
+
 #: Why intake refuses when the file reached its cap (room_problem's first answer).
 AT_MAX_DB_BYTES = "the queue database is at queue.max_db_bytes"
 
@@ -101,6 +106,8 @@ class Space:
     refused_at: float = field(default=float("-inf"))
     #: Which limit refused it: "size" (max_db_bytes) or "disk" (min_free_disk_bytes).
     refused_for: str = ""
+    #: What it would have cost (intake_cost, group_cost); 0 once that much fits again.
+    refused_cost: int = 0
 
     def begin_batch(self) -> None:
         """A commit batch starts: its intakes are charged anew; measure again if the last one is old."""
@@ -266,8 +273,11 @@ def over_limits(store: StoreBase, now: float, cost: int = 0) -> bool:
         if problem is not None:
             space.refused_at = time.monotonic()
             space.refused_for = "size" if problem[0] == AT_MAX_DB_BYTES else "disk"
+            space.refused_cost = cost
             return True
     space.charge(cost)
+    if cost >= space.refused_cost:
+        space.refused_cost = 0  # as much as was refused fits again
     return False
 
 
@@ -285,13 +295,30 @@ def disk_tight(store: StoreBase) -> bool:
 
 
 def check_room(store: StoreBase) -> None:
-    """Raise StorageError when intake would refuse a short message now, after purging what it may."""
-    cost = intake_cost(store, PROBE_MESSAGE_BYTES)
-    if room_problem(store, cost) is not None:
-        make_room(store, store.clock(), cost)
-        problem = room_problem(store, cost)
-        if problem is not None:
-            raise StorageError(f"backpressure: {problem[0]}")
+    """Raise StorageError while intake is in backpressure, after purging what it may.
+
+    In backpressure: a short message would be refused now, or a message was
+    refused for room within ``REFUSAL_SHOWN_S`` and one of its size would
+    still be. Room for a short message alone is not enough: the queue may
+    refuse every message of the size its senders send.
+    """
+    for cost in (intake_cost(store, PROBE_MESSAGE_BYTES), _recent_refusal(store)):
+        if not cost:
+            continue
+        if room_problem(store, cost) is not None:
+            make_room(store, store.clock(), cost)
+            problem = room_problem(store, cost)
+            if problem is not None:
+                raise StorageError(f"backpressure: {problem[0]}")
+    store.space.refused_cost = 0
+
+
+def _recent_refusal(store: StoreBase) -> int:
+    """The cost of the message last refused for room, if that was within REFUSAL_SHOWN_S; else 0."""
+    space = store.space
+    if space.refused_cost and time.monotonic() - space.refused_at < REFUSAL_SHOWN_S:
+        return space.refused_cost
+    return 0
 
 
 # -- purging ---------------------------------------------------------------------

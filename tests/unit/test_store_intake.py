@@ -303,6 +303,49 @@ class TestBackpressure:
         finally:
             store.conn.close()
 
+    def test_readiness_fails_while_messages_of_the_size_refused_still_would_be(
+            self, tmp_path: Path, clock: Clock) -> None:
+        """Room for a short message is not readiness while the messages senders send are refused.
+
+        A 4 KB message refused for room keeps the probe failing for as long
+        as one of its size would still be refused (up to REFUSAL_SHOWN_S),
+        though a short one still fits; room for it, or an accepted message as
+        large, ends that.
+        """
+        store = open_store(tmp_path / "data" / "queue.db", clock, max_db_bytes=192 * 1024)
+        try:
+            self._fill(store, clock, "F")  # ends with a 4 KB message refused
+            store.space.max_db_bytes = maintenance.used_bytes(store) + maintenance.intake_cost(store, 1024)
+            clock.now += 1
+            assert intake(store, item("SHORT", body=message("SHORT"))).outcome == "accepted"
+            assert intake(store, item("BIG", body=message("BIG", pad=4000))).outcome == "backpressure"
+            assert maintenance.pressure(store) is None  # a short message would still fit
+            with pytest.raises(StorageError, match="backpressure: the queue database is at queue.max_db_bytes"):
+                store.probe_write()
+            # Still refused long after, it still counts; forgotten once REFUSAL_SHOWN_S has passed.
+            store.space.refused_at -= maintenance.REFUSAL_SHOWN_S - 5
+            with pytest.raises(StorageError, match="backpressure"):
+                store.probe_write()
+            store.space.refused_at -= 10
+            store.probe_write()
+            # A fresh refusal; then room for it (a higher cap): ready again, and it stays so.
+            assert intake(store, item("BIG2", body=message("BIG2", pad=4000))).outcome == "backpressure"
+            with pytest.raises(StorageError, match="backpressure"):
+                store.probe_write()
+            store.space.max_db_bytes *= 2
+            store.probe_write()
+            store.space.max_db_bytes //= 2
+            store.probe_write()  # the refusal was answered: room for it came back once
+            # A refusal, then an accepted message as large as the refused one: it fits, so ready.
+            assert intake(store, item("BIG3", body=message("BIG3", pad=4000))).outcome == "backpressure"
+            store.space.max_db_bytes *= 2
+            clock.now += 1
+            assert intake(store, item("BIG4", body=message("BIG4", pad=4000))).outcome == "accepted"
+            store.space.max_db_bytes //= 2
+            assert store.space.refused_cost == 0
+        finally:
+            store.conn.close()
+
     def test_a_batch_is_charged_as_one_commit_not_member_by_member(self, tmp_path: Path, clock: Clock) -> None:
         """200 small members in one commit fit a 1 MiB cap on an empty file (charged 12 pages each: 9.6 MB, refused for ever)."""
         store = open_store(tmp_path / "data" / "queue.db", clock, max_db_bytes=1024 * 1024)
