@@ -239,11 +239,12 @@ class ChannelListener(ConnectionSet):
         that never closes) cannot lock senders out. Only when all of them are
         busy is the newcomer closed at once.
         """
-        limits = (
-            ("max_connections_per_source", min(self.channel.max_connections_per_source,
-                                               self.channel.max_connections), source),
-            ("max_connections", self.channel.max_connections, None),
-        )
+        channel = self.channel
+        limits: list[tuple[str, int, str | None]] = [("max_connections", channel.max_connections, None)]
+        if channel.max_connections_per_source < channel.max_connections:
+            # Only a per-source limit below the channel's binds first; one at
+            # or above it is met as the channel's, and named so.
+            limits.insert(0, ("max_connections_per_source", channel.max_connections_per_source, source))
         for key, limit, only_source in limits:
             while True:
                 open_now = [c for c in self.connections if not c.evicted

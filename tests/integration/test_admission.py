@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from agenttest import ack_code, db_rows, hl7_message, log_events, msa2, run_async, until
 from structlog.testing import capture_logs
 
@@ -242,22 +243,33 @@ class TestResetConnections:
 
 
 class TestRefusal:
-    def test_busy_connections_are_kept_and_the_newcomer_is_refused_logged_once(self, tmp_path: Path) -> None:
-        """Connections in the middle of a frame are never evicted; newcomers are closed at once, logged once per source per minute."""
+    @pytest.mark.parametrize("one_source", [False, True], ids=["two-sources", "one-source"])
+    def test_busy_connections_are_kept_and_the_newcomer_is_refused_logged_once(self, tmp_path: Path,
+                                                                               one_source: bool) -> None:
+        """Connections in the middle of a frame are never evicted; newcomers are closed at once, logged once per source per minute.
+
+        One source holding the channel's every place is refused for
+        max_connections, the limit it met, not for max_connections_per_source
+        (16 by default, above the channel's 2).
+        """
+        newcomer_source = "127.0.0.2" if one_source else "127.0.0.9"
 
         async def scenario(agent: Agent, port: int) -> None:
-            busy = [await Sender.open(port, f"127.0.0.{n}") for n in (2, 3)]
+            busy = [await Sender.open(port, "127.0.0.2" if one_source else f"127.0.0.{n}") for n in (2, 3)]
             message = [hl7_message(f"BUSY-{n}") for n in range(2)]
             for conn, body in zip(busy, message, strict=True):
                 await conn.send(mllp.START_BLOCK + body[:20], raw=True)  # a frame started, not finished
             await until(lambda: all(c.core.mid_frame for c in agent.listeners[0].connections)
                         and listener_connections(agent) == 2, what="2 connections mid-frame")
             for attempt in range(3):
-                newcomer = await Sender.open(port, "127.0.0.9")
+                newcomer = await Sender.open(port, newcomer_source)
                 await newcomer.send(hl7_message(f"REFUSED-{attempt}"))
                 assert await newcomer.closed_by_agent(5), "a newcomer was admitted past busy connections"
                 assert not newcomer.acks
                 newcomer.close()
+            refused = agent.metrics.registry.get_sample_value(
+                "hl7_agent_connections_refused_total", {"channel": "adt", "reason": "busy"})
+            assert refused == 3
             for conn, body in zip(busy, message, strict=True):
                 await conn.send(body[20:] + mllp.END_BLOCK, raw=True)
                 assert msa2(await conn.read_ack()) == body.split(b"|")[9].decode()
