@@ -405,13 +405,15 @@ class TestValues:
             ("1h30m", 5400.0),
             (" 10 S ", 10.0),
             (0, 0.0),
+            ("36500d", 36500 * 86400.0),
         ],
     )
     def test_durations(self, text: object, seconds: float) -> None:
         """Durations take seconds or a unit suffix."""
         assert parse_duration(text) == seconds
 
-    @pytest.mark.parametrize("text", ["", "soon", "5x", "-1", -1, True, "1h30", "nan", [1]])
+    @pytest.mark.parametrize("text", ["", "soon", "5x", "-1", -1, True, "1h30", "nan", [1],
+                                      "36501d", "999999999999d", 1e300])
     def test_bad_durations(self, text: object) -> None:
         """Anything else is refused."""
         with pytest.raises(ValueError, match="duration"):

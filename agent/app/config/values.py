@@ -31,6 +31,12 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)", re.IGNORECASE)
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
+#: The longest duration a key takes (100 years): beyond it, now + the duration overflows
+#: the timestamps and timeouts it becomes (an outside audit: lease_ttl = "999999999999d"
+#: passed the check, then broke `queue stats`).
+MAX_DURATION_S = 36500 * 86400.0
+
+
 def parse_duration(value: object) -> float:
     """Seconds from a number or ``500ms``/``30s``/``5m``/``2h``/``7d`` (also ``1h30m``).
 
@@ -56,6 +62,9 @@ def parse_duration(value: object) -> float:
         raise ValueError(f"{value!r} is not a duration; use seconds or 500ms/30s/5m/2h/7d/1w")  # noqa: TRY004
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{value!r} must be a finite duration >= 0")
+    if seconds > MAX_DURATION_S:
+        # A time that far ahead no longer fits a timestamp, a timeout or a date the CLI prints.
+        raise ValueError(f"{value!r} is longer than 100 years (36500d), the longest duration taken")
     return seconds
 
 
