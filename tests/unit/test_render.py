@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from agent.app.commands import render
 from agent.app.commands.render import (
     DEFAULT_WIDTH,
     cell,
@@ -12,6 +13,7 @@ from agent.app.commands.render import (
     output_width,
     raw_for_terminal,
 )
+from agent.storage.rows import LeaseRow
 
 
 def item(message_id: str, **over: Any) -> dict[str, Any]:  # noqa: ANN401 - test data
@@ -90,3 +92,24 @@ def test_output_width(monkeypatch: Any) -> None:  # noqa: ANN401 - pytest's monk
     assert output_width() == 123
     monkeypatch.delenv("COLUMNS")
     assert output_width() == DEFAULT_WIDTH  # pytest's stdout is no terminal
+
+
+STATS: dict[str, Any] = {"db": {"path": "/q/queue.db", "size_bytes": 4096, "wal_bytes": 0, "agent_id": "a",
+                                "schema_version": 4},
+                         "lease": None, "states": {}, "channels": {}}
+
+
+class TestStatsLease:
+    def _lease_line(self, expires_at: float, now: float) -> str:
+        row = LeaseRow("a@host:42:boot", 42, "boot", "ns", 1, 7, expires_at)
+        (line,) = [x for x in render.render_stats(STATS, row, now).splitlines() if x.startswith("lease")]
+        return line
+
+    def test_a_lease_past_its_expiry_says_when_it_expired(self) -> None:
+        line = self._lease_line(1_000.0, now=2_000.0)
+        assert "none held (last holder a@host:42:boot, epoch 7, expired 1970-01-01T00:16:40" in line
+
+    def test_a_dead_holder_s_unexpired_lease_never_reads_expired_in_the_future(self) -> None:
+        """After kill -9 the holder holds nothing though its expiry is ahead: say why, not a future 'expired'."""
+        line = self._lease_line(2_020.0, now=2_000.0)
+        assert line.endswith("epoch 7, its process has exited)") and "expired" not in line

@@ -187,10 +187,11 @@ def render_stats(data: dict[str, Any], lease_row: LeaseRow | None, now: float) -
             f"lease     {lease['holder']}  epoch {lease['epoch']}  expires {lease['expires_at']}{left}"
         )
     elif lease_row is not None and lease_row.holder is not None:
-        out.append(
-            f"lease     none held (last holder {lease_row.holder}, epoch {lease_row.epoch}, "
-            f"expired {ts(lease_row.expires_at)})"
-        )
+        # Not held: past its expiry, or its holder's process is provably gone before it.
+        expires = lease_row.expires_at
+        ended = ("its process has exited" if expires is not None and float(expires) > now
+                 else f"expired {ts(expires)}")
+        out.append(f"lease     none held (last holder {lease_row.holder}, epoch {lease_row.epoch}, {ended})")
     else:
         out.append("lease     none held" + (f" (epoch {lease_row.epoch})" if lease_row else ""))
     out.append("")
