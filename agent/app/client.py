@@ -178,8 +178,14 @@ def read_ack(sock: socket.socket, decoder: mllp.MllpDecoder, timeout: float) -> 
 
 def send_files(host: str, port: int, files: list[str], *, timeout: float = 30.0,
                tls: ClientTls | None = None) -> int:
-    """Send every message of every file; print each ACK; 1 if any ACK is missing or not AA/CA."""
-    messages: list[tuple[str, bytes]] = []
+    """Send every message of every file; print each ACK; 1 if any ACK is missing or not AA/CA.
+
+    A message left without an ACK (timeout, connection lost) is reported and
+    the rest still go, over a new connection: a late ACK on the old one must
+    never be read as the next message's. Only when no new connection can be
+    made are the rest reported as not sent.
+    """
+    messages: list[tuple[str, int, bytes]] = []
     for name in files:
         try:
             data = Path(name).read_bytes()
@@ -190,25 +196,31 @@ def send_files(host: str, port: int, files: list[str], *, timeout: float = 30.0,
         if not found:
             print(f"hl7-agent: send: no HL7 message (no line starting MSH) in {name}", file=sys.stderr)
             return 1
-        messages.extend((name, m) for m in found)
-    sock = _connect(host, port, timeout, tls)
-    if sock is None:
-        return 1
+        messages.extend((name, n, m) for n, m in enumerate(found, 1))
     failures = 0
+    sock: socket.socket | None = None
     decoder = mllp.MllpDecoder(64 * 1024 * 1024)
-    with sock:
-        for index, (name, message) in enumerate(messages, 1):
+    try:
+        for position, (name, index, message) in enumerate(messages):
+            if sock is None:
+                sock = _connect(host, port, timeout, tls)
+                if sock is None:  # said why in one line; after a lost connection, also what is left
+                    left = len(messages) - position
+                    if position:
+                        print(f"# {name} message {index}: not sent, nor the {left - 1} after it" if left > 1
+                              else f"# {name} message {index}: not sent", file=sys.stderr)
+                    return 1
+                decoder = mllp.MllpDecoder(64 * 1024 * 1024)
             try:
                 sock.sendall(mllp.encode_frame(message))
                 ack = read_ack(sock, decoder, timeout)
-            except AckTimeout:
-                print(f"# {name} message {index}: no ACK within {timeout:g}s", file=sys.stderr)
+            except (AckTimeout, OSError) as exc:
+                why = f"no ACK within {timeout:g}s" if isinstance(exc, AckTimeout) else str(exc)
+                print(f"# {name} message {index}: {why}", file=sys.stderr)
                 failures += 1
-                break
-            except OSError as exc:
-                print(f"# {name} message {index}: {exc}", file=sys.stderr)
-                failures += 1
-                break
+                sock.close()
+                sock = None  # the next message goes over a new connection
+                continue
             text = decode_ack(ack)
             for segment in re.split(r"\r\n|\r|\n", text):
                 if segment:
@@ -220,4 +232,7 @@ def send_files(host: str, port: int, files: list[str], *, timeout: float = 30.0,
             if not ack_accepted(ack):
                 failures += 1
             print()
+    finally:
+        if sock is not None:
+            sock.close()
     return 1 if failures else 0

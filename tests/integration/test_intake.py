@@ -413,6 +413,22 @@ class TestSendCommand:
         stored = dict(db_rows(agent.db_path, "SELECT control_id, body FROM messages"))
         assert stored == {"FRAMED-1": lf, "FRAMED-2": hl7_message("FRAMED-2")}
 
+    def test_a_missing_ack_is_reported_and_the_rest_still_go(self, agent: AgentThread, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+        """A message left without its ACK (MSH-15 NE: none is owed) is named by its file and place;
+        the messages after it, in that file and the next, still go (over a new connection); exit 1."""
+        from agent.app.client import send_files
+
+        first, second = tmp_path / "a.hl7", tmp_path / "b.hl7"
+        first.write_bytes(hl7_message("QUIET-1", msh15="NE", msh16="NE") + hl7_message("LOUD-2"))
+        second.write_bytes(hl7_message("LOUD-3"))
+        assert send_files("127.0.0.1", agent.port, [str(first), str(second)], timeout=1) == 1
+        out, err = capsys.readouterr()
+        assert err.splitlines() == [f"# {first} message 1: no ACK within 1s"]
+        assert "MSA|AA|LOUD-2" in out and "MSA|AA|LOUD-3" in out
+        stored = {r[0] for r in db_rows(agent.db_path, "SELECT control_id FROM messages")}
+        assert stored == {"QUIET-1", "LOUD-2", "LOUD-3"}
+
     def test_send_without_a_listener_exits_1(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         """Nothing listening: one line on stderr and exit 1."""
         from agent.app.client import send_files
