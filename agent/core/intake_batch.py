@@ -194,7 +194,7 @@ def batch_replies(plan: BatchPlan, results: list[CommitResult] | tuple[CommitRes
         if duplicate:
             effects.append(Log("info", "retransmit_answered_from_dedupe", {**ids, "prior_state": result.prior_state}))
         else:
-            effects.extend((Log("info", "message_committed", {**ids, "seq": result.seq}),
+            effects.extend((Log("debug", "message_committed", {**ids, "seq": result.seq}),  # as single messages
                             Count(Counter.MESSAGE_COMMITTED), Committed(result.message_id)))
         mode = result.ack_mode if duplicate else message.ack_mode
         commit_ack = result.commit_ack if duplicate else message.commit_ack

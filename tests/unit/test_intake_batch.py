@@ -61,6 +61,9 @@ class TestBatchIntake:
         assert peer.outcomes() == {f"row-{c}": AckOutcome.DELIVERED for c in "ABC"}
         (send,) = peer.of(Send)
         assert (send.message_id, send.also) == ("row-A", ("row-B", "row-C"))
+        # A member's commit is logged as a single message's is: at debug, not a line per message at info.
+        assert [(log.level, log.fields["control_id"]) for log in peer.logs("message_committed")] == [
+            ("debug", "A"), ("debug", "B"), ("debug", "C")]
 
     def test_every_member_acked_whatever_its_msh15(self) -> None:
         peer = open_peer()
