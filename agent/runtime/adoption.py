@@ -51,6 +51,7 @@ from agent.runtime.aio import cancel_and_wait
 from agent.runtime.unixsock import (
     accept_forever,
     bind_unix_atomically,
+    connect_unix,
     path_identity,
     peer_credentials,
     read_line,
@@ -258,7 +259,7 @@ async def hand_over(
     client.setblocking(False)
     try:
         async with asyncio.timeout(timeout):
-            await loop.sock_connect(client, str(path))
+            await connect_unix(client, path)
             await send_all(loop, client, line, [fd])
             answer, _ = await read_line(loop, client, with_fds=False)
         reply = json.loads(answer)

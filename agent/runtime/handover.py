@@ -31,6 +31,7 @@ from agent.runtime.sockets import ListeningSocket, is_listening
 from agent.runtime.unixsock import (
     accept_forever,
     bind_unix_atomically,
+    connect_unix,
     path_identity,
     peer_credentials,
     read_line,
@@ -234,7 +235,7 @@ async def receive_handover(path: Path, timeout: float = 5.0) -> dict[str, socket
         try:
             async with asyncio.timeout(timeout):
                 try:
-                    await loop.sock_connect(sock, str(path))
+                    await connect_unix(sock, path)
                 except (FileNotFoundError, ConnectionRefusedError):
                     return None
                 line, fds = await read_line(loop, sock, with_fds=True)

@@ -138,6 +138,29 @@ async def send_all(
         view = view[sent:]
 
 
+#: How long a connect waits before trying again while the peer's accept queue is full.
+_FULL_QUEUE_RETRY_S = 0.002
+
+
+async def connect_unix(sock: socket.socket, path: Path) -> None:
+    """Connect the non-blocking Unix stream socket ``sock`` to ``path``, waiting while its queue is full.
+
+    On a Unix socket a connect() into a full accept queue fails with EAGAIN
+    (unix(7)), not EINPROGRESS as on TCP; asyncio's ``sock_connect`` then
+    waits for the socket to be writable and takes it as connected when it is
+    not, and the first send fails with ENOTCONN. A stopping process hands
+    every connection over at once, so this tries again until the successor
+    has accepted some (the caller bounds it with a timeout).
+    """
+    while True:
+        try:
+            sock.connect(str(path))
+        except BlockingIOError:  # EAGAIN: the accept queue is full for now
+            await asyncio.sleep(_FULL_QUEUE_RETRY_S)
+            continue
+        return
+
+
 def bind_unix_atomically(path: Path) -> tuple[socket.socket, tuple[int, int]]:
     """A listening Unix socket published at ``path`` by rename, 0600 before anyone can connect.
 
@@ -149,7 +172,7 @@ def bind_unix_atomically(path: Path) -> tuple[socket.socket, tuple[int, int]]:
     try:
         sock.bind(str(tmp))
         os.chmod(tmp, 0o600)
-        sock.listen(8)
+        sock.listen(socket.SOMAXCONN)  # a stopping process hands over all its connections at once
         sock.setblocking(False)
         st = os.stat(tmp)
         os.replace(tmp, path)

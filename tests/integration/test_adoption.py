@@ -293,3 +293,83 @@ class TestOwedAcks:
                 await server.close()
 
         run(scenario())
+
+
+class TestManyAtOnce:
+    def test_every_connection_of_a_stopping_process_is_handed_over_at_once(self, tmp_path: Path) -> None:
+        """A stopping process hands over all its connections together: none may fail on a full accept queue.
+
+        On a Unix socket a connect() into a full accept queue fails with
+        EAGAIN, not EINPROGRESS, and asyncio's sock_connect then takes the
+        socket as connected: its first send failed with ENOTCONN and the
+        sender's connection was closed instead of handed over (an outside
+        audit: 2 to 5 of 24 connections per upgrade under load).
+        """
+        count = 64
+        adopted: list[socket.socket] = []
+
+        async def adopt(channel: str, sock: socket.socket, remote: str, buffered: bytes, owed: Owed) -> bool:
+            adopted.append(sock)
+            return True
+
+        async def scenario() -> None:
+            server = AdoptionServer(tmp_path / ADOPT_SOCKET, adopt)
+            await server.start()
+            listener = socket.create_server(("127.0.0.1", 0), backlog=count)
+            senders = [socket.create_connection(listener.getsockname()) for _ in range(count)]
+            accepted = [listener.accept()[0] for _ in range(count)]
+            try:
+                results = await asyncio.gather(*(
+                    hand_over(tmp_path / ADOPT_SOCKET, None, "adt", f"127.0.0.1:{n}", conn.fileno(), b"")
+                    for n, conn in enumerate(accepted)))
+                assert results == [True] * count
+                assert len(adopted) == count
+            finally:
+                await server.close()
+                for sock in [*senders, *accepted, *adopted, listener]:
+                    sock.close()
+
+        run(scenario())
+
+    def test_a_connect_into_a_full_queue_waits_for_room_instead_of_failing_later(self, tmp_path: Path) -> None:
+        """connect_unix on a listener whose accept queue is full returns only once it is really connected."""
+        from agent.runtime.unixsock import connect_unix
+
+        path = tmp_path / "full.sock"
+
+        async def scenario() -> None:
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.bind(str(path))
+            server.listen(0)
+            queued: list[socket.socket] = []
+            for _ in range(16):  # fill the accept queue: a non-blocking connect then meets EAGAIN
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                probe.setblocking(False)
+                try:
+                    probe.connect(str(path))
+                except BlockingIOError:
+                    probe.close()
+                    break
+                queued.append(probe)
+            else:
+                pytest.fail("the accept queue never filled")
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.setblocking(False)
+            connecting = asyncio.create_task(connect_unix(client, path))
+            try:
+                await asyncio.sleep(0.05)
+                assert not connecting.done(), "took a socket as connected while the queue was full"
+                accepted = [server.accept()[0] for _ in queued]  # room again
+                async with asyncio.timeout(5):
+                    await connecting
+                client.send(b"x")  # connected for real: no ENOTCONN
+                (mine, _) = server.accept()
+                assert mine.recv(1) == b"x"
+                for sock in [*accepted, mine]:
+                    sock.close()
+            finally:
+                connecting.cancel()
+                for sock in [*queued, client, server]:
+                    sock.close()
+
+        run(scenario())
