@@ -417,10 +417,11 @@ class Agent:
             return "the listening sockets were handed to a newer process, and this one still runs"
         if self._admin_pending:
             return f"the admin address {self.settings.admin.listen} is still held by another process"
-        if self.reader is not None:
+        if self.reader is not None and self.settings.queue.backend != "postgresql":
+            # One SQLite file is one host's: an unexpired lease of another holder is a process here.
+            # (On PostgreSQL other hosts holding it is the design: docs/ha.md.)
             lease = await self.reader.call(SqliteStore.lease)
             mine = self.dispatcher.me.holder if self.dispatcher is not None else None
-            # One SQLite file is one host's: an unexpired lease of another holder is a process here.
             if lease is not None and lease.holder != mine and lease.expires_at > time.time():
                 return f"the dispatch lease is held by {lease.holder}"
         return None

@@ -378,6 +378,24 @@ class TestStandby:
         run(scenario(), timeout=60)
 
 
+    def test_a_standby_on_another_host_is_no_second_instance_by_mistake(
+        self, tmp_path: Path, pg_database: PgDatabase
+    ) -> None:
+        """On PostgreSQL another process holding the lease is the design (hosts sharing one queue),
+        not a process started beside this one by mistake: the standby does not report one."""
+
+        async def scenario() -> None:
+            async with dev_server() as server, \
+                    agent_on(settings_for(tmp_path, pg_database, server.port, "a")) as holder:
+                await until(lambda: holder.dispatcher is not None and holder.dispatcher.lease_held, 10, "a lease")
+                async with agent_on(settings_for(tmp_path, pg_database, server.port, "b")) as standby:
+                    assert standby.dispatcher is not None and not standby.dispatcher.lease_held
+                    assert await standby._other_instance() is None
+                    assert await holder._other_instance() is None
+
+        run(scenario(), timeout=60)
+
+
 class TestIdleHolder:
     def test_an_idle_holder_polls_with_reads_and_writes_only_its_renewals(
         self, tmp_path: Path, pg_database: PgDatabase
