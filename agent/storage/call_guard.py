@@ -37,6 +37,10 @@ __all__ = ["CallGuard"]
 #: How often the watchdog looks at the armed guards.
 CHECK_INTERVAL = 0.2
 
+#: A look that comes this much later than CHECK_INTERVAL means this process did not run
+#: meanwhile (SIGSTOP, a suspended VM): its own pause, not the server's silence.
+PAUSE_SLACK = 1.0
+
 
 class CallGuard:
     """One connection's deadline: armed around a call, the socket shut down when it passes."""
@@ -81,6 +85,12 @@ class CallGuard:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def _postpone(self, seconds: float) -> None:
+        """The deadline moves on by ``seconds`` this process did not run: the server had no chance then."""
+        with self._lock:
+            if self._deadline is not None:
+                self._deadline += seconds
 
     def _trip_if_late(self, now: float) -> bool:
         """Shut the socket down when the deadline passed; True while the guard is armed."""
@@ -137,13 +147,33 @@ class _Watchdog:
         while True:
             self._wake.wait()
             self._wake.clear()
+            last = time.monotonic()
             while True:
                 now = time.monotonic()
-                with self._lock:
-                    guards = list(self._guards)
-                if not any([guard._trip_if_late(now) for guard in guards]):
+                armed = self.check(now, last)
+                last = now
+                if not armed:
                     break  # none armed: sleep until one is
                 time.sleep(CHECK_INTERVAL)
+
+    def check(self, now: float, last: float) -> bool:
+        """One look at every guard (the last one was at ``last``); True while any is armed.
+
+        A look much later than CHECK_INTERVAL after the last means this
+        process itself did not run in between (SIGSTOP, a suspended VM):
+        the deadlines move on by that pause instead of being blamed on the
+        server, which may well have answered meanwhile.
+        """
+        with self._lock:
+            guards = list(self._guards)
+        paused = now - last - CHECK_INTERVAL
+        if paused > PAUSE_SLACK:
+            log.warning("process_was_paused", paused_s=round(paused, 1),
+                        hint="this process did not run (SIGSTOP, a suspended VM?): database calls "
+                             "under way get that much longer")
+            for guard in guards:
+                guard._postpone(paused)
+        return any([guard._trip_if_late(now) for guard in guards])
 
 
 _WATCHDOG: _Watchdog | None = None

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 
-from agent.storage.call_guard import CHECK_INTERVAL, CallGuard
+from agent.storage.call_guard import CHECK_INTERVAL, CallGuard, _Watchdog
 
 
 def test_a_call_blocked_past_its_deadline_is_released() -> None:
@@ -44,5 +44,35 @@ def test_a_call_that_returns_in_time_keeps_its_connection() -> None:
         peer.sendall(b"y")
         assert ours.recv(1) == b"y" and guard.tripped == 0
     finally:
+        ours.close()
+        peer.close()
+
+
+def test_a_pause_of_this_process_is_not_blamed_on_the_server() -> None:
+    """A look at the guards long after the last one (this process was stopped) moves deadlines on.
+
+    A SIGSTOP of the test process itself cannot be taken from inside it, so
+    the watchdog's look is called with the times a pause would give: 10 s
+    between two looks meant 0.2 s apart. A frozen server (no pause of ours)
+    is still dropped at its deadline.
+    """
+    ours, peer = socket.socketpair()
+    guard = CallGuard("writer")
+    watchdog = _Watchdog()
+    watchdog._guards.add(guard)
+    try:
+        guard.arm(ours.fileno(), 2.0)
+        armed_at = time.monotonic()
+        # This process stopped for 10 s at once: the 2 s deadline moves on by that pause.
+        assert watchdog.check(armed_at + 10.2, armed_at)
+        assert guard.tripped == 0
+        peer.sendall(b"x")
+        assert ours.recv(1) == b"x"  # the connection was kept: the server's answer is read
+        # Looks at the usual interval after it: the moved deadline still holds, then passes.
+        assert watchdog.check(armed_at + 11.0, armed_at + 10.8)
+        assert not watchdog.check(armed_at + 12.3, armed_at + 12.1)
+        assert guard.tripped == 1
+    finally:
+        guard.disarm()
         ours.close()
         peer.close()
