@@ -118,7 +118,10 @@ def test_overlap_refuses_nothing_and_delivers_everything_once_in_order(
     new = Daemon(tmp_path, config, name="new",
                  env={"HL7_AGENT_ADMIN__LISTEN": f"127.0.0.1:{free_port()}"})
     stop = threading.Event()
-    senders = [Sender(f"s{i}", ports["adt" if i % 2 == 0 else "lab"], stop, 400) for i in range(4)]
+    # The cap only bounds the test: the senders run until ``stop``. 400 each (the old cap) was
+    # all sent within a second on a fast run, before the upgrade began, and the load after it
+    # never came.
+    senders = [Sender(f"s{i}", ports["adt" if i % 2 == 0 else "lab"], stop, 5000) for i in range(4)]
     try:
         old.start().wait_started()
         for s in senders:
