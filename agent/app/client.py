@@ -199,7 +199,7 @@ def send_files(host: str, port: int, files: list[str], *, timeout: float = 30.0,
         messages.extend((name, n, m) for n, m in enumerate(found, 1))
     failures = 0
     sock: socket.socket | None = None
-    decoder = mllp.MllpDecoder(64 * 1024 * 1024)
+    decoder: mllp.MllpDecoder  # one per connection, made with it
     try:
         for position, (name, index, message) in enumerate(messages):
             if sock is None:
