@@ -448,11 +448,15 @@ def check_config(config_text: str, workdir: Path) -> tuple[int, str]:
 # -- /proc ---------------------------------------------------------------------------
 
 
+def user_system_seconds(stat: str) -> tuple[float, float]:
+    """(utime, stime) in seconds from the text of a /proc .../stat file (fields 14 and 15)."""
+    fields = stat[stat.rfind(")") + 2 :].split()  # after the command name, which may hold spaces
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads), from /proc/PID/stat."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return sum(user_system_seconds(Path(f"/proc/{pid}/stat").read_text()))
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
@@ -464,8 +468,7 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
             stat = (task / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+        out[name] = out.get(name, 0.0) + sum(user_system_seconds(stat))
     return out
 
 

@@ -40,8 +40,7 @@ def thread_times(pid: int) -> dict[int, tuple[int, float, float]]:
             stat = (task / "stat").read_text()
         except (OSError, ValueError, IndexError):
             continue  # a thread that ended meanwhile
-        fields = stat[stat.rfind(")") + 2 :].split()
-        out[int(task.name)] = (ns, int(fields[11]) / h.CLK_TCK, int(fields[12]) / h.CLK_TCK)
+        out[int(task.name)] = (ns, *h.user_system_seconds(stat))
     return out
 
 
